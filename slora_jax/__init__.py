@@ -1,0 +1,7 @@
+"""slora-jax: S-LoRA in JAX. One base model, thousands of LoRA adapters, one unified page pool."""
+
+from slora_jax.llm import LLM
+from slora_jax.request import RequestOutput
+from slora_jax.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]

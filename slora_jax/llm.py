@@ -1,0 +1,131 @@
+"""The public Python API: `LLM(model, adapters=..., dtype=...)` and `generate`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from slora_jax.adapters import LoraAdapter, load_peft_adapter
+from slora_jax.config import load_model_config
+from slora_jax.request import RequestOutput
+from slora_jax.sampling import SamplingParams
+from slora_jax.tokenizer import load_tokenizer
+from slora_jax.weights import load_params
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class LLM:
+    """One base model, many LoRA adapters, mixed freely in one batch.
+
+    model: a Hugging Face Llama directory (config.json + safetensors) or a shape name from
+    configs/models ("tiny", "llama-7b", ...), which gets dummy weights from `seed`.
+    adapters: {name: PEFT adapter directory}.
+    """
+
+    def __init__(self, model: str | os.PathLike, adapters: dict[str, str] | None = None,
+                 dtype: str = "bfloat16", *, seed: int = 0, max_lora_rank: int = 128,
+                 max_model_len: int | None = None, cache_dir: str | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        self.model = str(model)
+        self.dtype = dtype
+        self.cfg = load_model_config(model)
+        self.max_lora_rank = max_lora_rank
+        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
+        self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
+        self._rng = np.random.default_rng(seed)
+        self._adapters: dict[str, LoraAdapter] = {}
+        from slora_jax.reference_engine import ReferenceEngine
+        self._engine = ReferenceEngine(self.cfg, self.params, dtype)
+        for name, path in (adapters or {}).items():
+            self.load_adapter(name, path)
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Register (or replace) adapter `name`; fails whole, leaving the served set unchanged."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
+        adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_lora_rank)
+        self._adapters[name] = adapter
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise KeyError(f"adapter {name!r} is not registered")
+        del self._adapters[name]
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapter: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        token_prompts, adapters = self._prepare(prompts, adapter)
+        params = self._per_row(sampling_params or SamplingParams(), len(token_prompts), "sampling_params")
+        for toks, p in zip(token_prompts, params):
+            if len(toks) + p.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt of {len(toks)} tokens + max_tokens={p.max_tokens} exceeds "
+                                 f"max_model_len={self.max_model_len}")
+        seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
+        outs = self._engine.generate(token_prompts, params, seeds, adapters, self.cfg.eos_token_ids)
+        for out, name in zip(outs, adapters):
+            out.adapter = name.name if name is not None else None
+            if self.tokenizer is not None:
+                shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+                out.text = self.tokenizer.decode(shown)
+        return outs
+
+    def prompt_logits(self, prompts, adapter=None) -> list[np.ndarray]:
+        """Logits [T_i, vocab] (float32) at every prompt position, all rows in one mixed batch."""
+        token_prompts, adapters = self._prepare(prompts, adapter)
+        return self._engine.prompt_logits(token_prompts, adapters)
+
+    def stats(self) -> dict:
+        return {"registered_adapters": len(self._adapters)}
+
+    # -- input checks --------------------------------------------------------------------------
+
+    def _prepare(self, prompts, adapter):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        token_prompts = [self._tokenize(p) for p in prompts]
+        names = self._per_row(adapter, len(token_prompts), "adapter")
+        adapters = []
+        for n in names:
+            if n is not None and n not in self._adapters:
+                raise ValueError(f"unknown adapter {n!r}; registered: {self.adapters}")
+            adapters.append(self._adapters[n] if n is not None else None)
+        return token_prompts, adapters
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer.json in the model directory; "
+                                 "pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        return ids
+
+    @staticmethod
+    def _per_row(value, n: int, what: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{what} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n

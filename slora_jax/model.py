@@ -1,0 +1,126 @@
+"""A functional Llama: RMSNorm, RoPE (llama3 / linear scaling), GQA attention, SwiGLU MLP.
+
+The forward pass is written over a flat run of tokens `[N]` with their positions, so the same
+code serves the dense reference (padded [B, T] batches flattened) and the paged engine (packed,
+ragged prefill and decode). Two things are passed in as functions:
+
+- `attend(layer, q, k, v, kv) -> (out, kv)`: how attention reads and writes the KV cache;
+- `lora(layer, module, x) -> delta | None`: the low-rank term `scale_i * (x @ A_i) @ B_i`.
+
+Layers are unrolled in Python over per-layer arrays: on GPU this measured at the roofline while a
+`fori_loop` over stacked layers did not (shared/ANCHORS.md, "Dense decode anchor").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from slora_jax.config import ModelConfig
+
+Params = dict[str, Any]
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+LoraDelta = Callable[[int, str, jax.Array], "jax.Array | None"]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As HF: normalise in float32, cast back, then scale.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies `[head_dim // 2]`, float32, with llama3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+    inv = inv.astype(np.float32)
+    rs = cfg.rope_scaling_dict
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv = inv / np.float32(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [N, head_dim]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [N, heads, head_dim]; HF's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w.T with w in HF's [out, in] layout."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraDelta | None) -> jax.Array:
+    y = linear(x, layer_params[module])
+    if lora is not None:
+        delta = lora(i, module, x)
+        if delta is not None:
+            y = y + delta.astype(y.dtype)
+    return y
+
+
+def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, attend: Attend, kv,
+                  lora: LoraDelta | None):
+    n = x.shape[0]
+    h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    q = _proj(p, i, "q_proj", h, lora).reshape(n, cfg.num_attention_heads, cfg.head_dim)
+    k = _proj(p, i, "k_proj", h, lora).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    v = _proj(p, i, "v_proj", h, lora).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o, kv = attend(i, q, k, v, kv)
+    x = x + _proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora)
+    h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    gate = _proj(p, i, "gate_proj", h, lora)
+    up = _proj(p, i, "up_proj", h, lora)
+    x = x + _proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora)
+    return x, kv
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: Attend, kv,
+            lora: LoraDelta | None = None):
+    """tokens, positions: [N]. Returns the final-normed hidden states [N, H] and the updated KV state."""
+    x = params["embed_tokens"][tokens]
+    cos, sin = rope_cos_sin(cfg, positions)
+    for i, p in enumerate(params["layers"]):
+        x, kv = decoder_layer(cfg, p, i, x, cos, sin, attend, kv, lora)
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), kv
+
+
+def lm_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    w = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(h, w).astype(jnp.float32)
+
+
+def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of q [B, T, nh, d] over k, v [B, S, kvh, d] with mask [B, T, S]."""
+    b, t, nh, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, nh // kvh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+    s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, nh, d).astype(q.dtype)
