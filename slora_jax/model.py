@@ -5,7 +5,8 @@ code serves the dense reference (padded [B, T] batches flattened) and the paged 
 ragged prefill and decode). Two things are passed in as functions:
 
 - `attend(layer, q, k, v, kv) -> (out, kv)`: how attention reads and writes the KV cache;
-- `lora(layer, module, x) -> delta | None`: the low-rank term `scale_i * (x @ A_i) @ B_i`.
+- `lora(layer, module, x, kv) -> delta | None`: the low-rank term `scale_i * (x @ A_i) @ B_i`; it
+  sees the current KV state because in the paged engine the adapters live in the same pool.
 
 Layers are unrolled in Python over per-layer arrays: on GPU this measured at the roofline while a
 `fori_loop` over stacked layers did not (shared/ANCHORS.md, "Dense decode anchor").
@@ -23,7 +24,7 @@ from slora_jax.config import ModelConfig
 
 Params = dict[str, Any]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-LoraDelta = Callable[[int, str, jax.Array], "jax.Array | None"]
+LoraDelta = Callable[[int, str, jax.Array, Any], "jax.Array | None"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -73,10 +74,10 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraDelta | None) -> jax.Array:
+def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraDelta | None, kv) -> jax.Array:
     y = linear(x, layer_params[module])
     if lora is not None:
-        delta = lora(i, module, x)
+        delta = lora(i, module, x, kv)
         if delta is not None:
             y = y + delta.astype(y.dtype)
     return y
@@ -86,16 +87,16 @@ def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, a
                   lora: LoraDelta | None):
     n = x.shape[0]
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    q = _proj(p, i, "q_proj", h, lora).reshape(n, cfg.num_attention_heads, cfg.head_dim)
-    k = _proj(p, i, "k_proj", h, lora).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
-    v = _proj(p, i, "v_proj", h, lora).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    q = _proj(p, i, "q_proj", h, lora, kv).reshape(n, cfg.num_attention_heads, cfg.head_dim)
+    k = _proj(p, i, "k_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    v = _proj(p, i, "v_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(i, q, k, v, kv)
-    x = x + _proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora)
+    x = x + _proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv)
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-    gate = _proj(p, i, "gate_proj", h, lora)
-    up = _proj(p, i, "up_proj", h, lora)
-    x = x + _proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora)
+    gate = _proj(p, i, "gate_proj", h, lora, kv)
+    up = _proj(p, i, "up_proj", h, lora, kv)
+    x = x + _proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora, kv)
     return x, kv
 
 

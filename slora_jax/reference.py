@@ -47,7 +47,7 @@ def stack_adapters(adapters: Sequence, cfg: ModelConfig, dtype) -> dict:
 
 def lora_reference(stacked: dict, slots: jax.Array):
     """A `model.LoraDelta` over stacked adapters; slots [N] int32, -1 for base rows."""
-    def delta(layer: int, module: str, x: jax.Array):
+    def delta(layer: int, module: str, x: jax.Array, kv=None):
         if module not in stacked:
             return None
         m = stacked[module]

@@ -20,7 +20,7 @@ class ReferenceEngine:
 
     def _batch(self, prompts, adapters):
         """Pad rows to a power of two and prompts to a multiple of 16, to bound recompiles."""
-        distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        distinct = list({id(a): a for a in adapters if a is not None}.values())
         slot_of = {id(a): s for s, a in enumerate(distinct)}
         stacked = reference.stack_adapters(distinct, self.cfg, self.dtype) if distinct else {}
         n = len(prompts)

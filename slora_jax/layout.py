@@ -1,0 +1,76 @@
+"""Where things sit inside the pool's pages.
+
+Every layer's pool array is `[pages, 2, page_size, W]` with W = num_key_value_heads * head_dim, the
+width of one K (or V) vector: a KV token takes one K row and one V row of one page, exactly, so GQA
+wastes nothing. Seen as rows, a page holds `2 * page_size` vectors of width W.
+
+An adapter's weights, for one layer, are one flat stream of rows over its pages, the same in every
+layer (pages are valid in all layers): for each targeted module in TARGET_MODULES order, A^T
+[r, in] then B * scale [r, out], each flattened and padded to whole rows. Ranks are the adapter's
+real ranks, so memory is proportional to rank; MLP matrices are simply longer streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from slora_jax.config import TARGET_MODULES, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSlot:
+    rank: int
+    a_row: int  # first row of A^T [rank, in] in the adapter's row stream
+    b_row: int  # first row of B [rank, out]
+    a_rows: int
+    b_rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterLayout:
+    modules: dict  # module -> ModuleSlot, for targeted modules only
+    rows: int      # rows per layer
+    pages: int
+
+    @staticmethod
+    def of(adapter, cfg: ModelConfig, page_size: int) -> "AdapterLayout":
+        width = cfg.kv_size
+        ranks: dict[str, int] = {}
+        for (_, module), w in adapter.weights.items():
+            ranks[module] = max(ranks.get(module, 0), w.rank)  # layers share one layout
+        modules, row = {}, 0
+        for module in TARGET_MODULES:
+            if module not in ranks:
+                continue
+            fin, fout = cfg.module_shape(module)
+            r = ranks[module]
+            a_rows, b_rows = -(-r * fin // width), -(-r * fout // width)
+            modules[module] = ModuleSlot(r, row, row + a_rows, a_rows, b_rows)
+            row += a_rows + b_rows
+        return AdapterLayout(modules, row, -(-row // (2 * page_size)))
+
+
+def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype) -> np.ndarray:
+    """The adapter as rows [L, layout.rows, W] in `dtype`, ready to scatter into its pages."""
+    width = cfg.kv_size
+    out = np.zeros((cfg.num_hidden_layers, layout.rows * width), np.float32)
+    for (layer, module), w in adapter.weights.items():
+        slot = layout.modules[module]
+        fin, fout = cfg.module_shape(module)
+        a = np.zeros((slot.rank, fin), np.float32)
+        a[:w.rank] = np.asarray(w.a, np.float32).T
+        b = np.zeros((slot.rank, fout), np.float32)
+        b[:w.rank] = np.asarray(w.b, np.float32) * np.float32(w.scale)
+        out[layer, slot.a_row * width: slot.a_row * width + a.size] = a.reshape(-1)
+        out[layer, slot.b_row * width: slot.b_row * width + b.size] = b.reshape(-1)
+    return out.reshape(cfg.num_hidden_layers, layout.rows, width).astype(dtype)
+
+
+def page_rows(pages: list[int], n_rows: int, page_size: int) -> np.ndarray:
+    """Row indices, in a layer's [pages * 2 * page_size, W] row view, of an adapter's first n_rows."""
+    per = 2 * page_size
+    pages_arr = np.asarray(pages, np.int64)
+    rows = (pages_arr[:, None] * per + np.arange(per)[None, :]).reshape(-1)
+    return rows[:n_rows].astype(np.int32)

@@ -1,0 +1,151 @@
+"""The host side of the unified page pool: one free list for KV cache and adapter weights.
+
+A page is a slot index valid in every layer's pool array (S-LoRA's design). Each page is, at any
+time, exactly one of: free, KV of one request, weights of one adapter version. Adapters are
+refcounted by the running requests that use them; an idle adapter stays resident as a cache and is
+evicted, least recently used first, only when pages are short.
+
+Page 0 is the null page: never handed out, it absorbs the writes and reads of padded rows.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable
+
+NULL_PAGE = 0
+
+
+class OutOfPages(Exception):
+    """Not enough free (or evictable) pages; the caller preempts, waits or refuses."""
+
+
+class UnifiedPool:
+    def __init__(self, total_pages: int):
+        if total_pages < 2:
+            raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved), got {total_pages}")
+        self.total_pages = total_pages - 1  # usable pages; page 0 is the null page
+        self._free: list[int] = list(range(total_pages - 1, 0, -1))
+        self.kv: dict[Hashable, list[int]] = {}
+        self.adapters: dict[Hashable, list[int]] = {}
+        self.refs: dict[Hashable, int] = {}
+        self._idle: collections.OrderedDict[Hashable, None] = collections.OrderedDict()  # LRU order
+        self._doomed: set[Hashable] = set()  # stale versions: freed as soon as idle
+        self.evictions = 0
+
+    # -- accounting --------------------------------------------------------------------------
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def kv_pages(self) -> int:
+        return sum(map(len, self.kv.values()))
+
+    @property
+    def adapter_pages(self) -> int:
+        return sum(map(len, self.adapters.values()))
+
+    def evictable_pages(self) -> int:
+        return sum(len(self.adapters[k]) for k in self._idle)
+
+    def available(self) -> int:
+        """Pages that could be had right now, evicting idle adapters if needed."""
+        return len(self._free) + self.evictable_pages()
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            self._evict_until(n)
+        pages = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def _evict_until(self, n: int) -> None:
+        if n > self.available():
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free and {self.evictable_pages()} evictable")
+        while len(self._free) < n:
+            key, _ = self._idle.popitem(last=False)
+            self._release_pages(key)
+            self.evictions += 1
+
+    def _release_pages(self, key) -> None:
+        self._free.extend(reversed(self.adapters.pop(key)))
+        self.refs.pop(key, None)
+        self._idle.pop(key, None)
+        self._doomed.discard(key)
+
+    # -- KV cache ----------------------------------------------------------------------------
+
+    def grow_kv(self, rid: Hashable, n: int) -> list[int]:
+        """Append n pages to request rid's KV page table; all or nothing."""
+        pages = self._take(n)
+        self.kv.setdefault(rid, []).extend(pages)
+        return pages
+
+    def free_kv(self, rid: Hashable) -> None:
+        self._free.extend(reversed(self.kv.pop(rid, [])))
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def is_resident(self, key: Hashable) -> bool:
+        return key in self.adapters
+
+    def acquire_adapter(self, key: Hashable, n_pages: int) -> tuple[list[int], bool]:
+        """Take a reference to adapter `key`, allocating its pages if not resident.
+        Returns (pages, newly_allocated); the caller must fill new pages before they are read."""
+        if key in self._doomed:
+            raise KeyError(f"adapter {key!r} has been replaced or unloaded")
+        if key in self.adapters:
+            self.refs[key] += 1
+            self._idle.pop(key, None)
+            return self.adapters[key], False
+        pages = self._take(n_pages)
+        self.adapters[key] = pages
+        self.refs[key] = 1
+        return pages, True
+
+    def release_adapter(self, key: Hashable) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            if key in self._doomed:
+                self._release_pages(key)
+            else:
+                self._idle[key] = None  # most recently used at the end
+
+    def drop_adapter(self, key: Hashable) -> None:
+        """Free a replaced/unloaded adapter's pages now if idle, else once its last user finishes."""
+        if key not in self.adapters:
+            return
+        if self.refs.get(key, 0) == 0:
+            self._release_pages(key)
+        else:
+            self._doomed.add(key)
+
+    def evict_idle(self) -> int:
+        """Free every idle adapter (for tests and shutdown). Returns pages freed."""
+        n = 0
+        for key in list(self._idle):
+            n += len(self.adapters[key])
+            self._release_pages(key)
+            self.evictions += 1
+        return n
+
+    # -- invariants --------------------------------------------------------------------------
+
+    def check(self) -> None:
+        owners: dict[int, object] = {}
+        for kind, table in (("kv", self.kv), ("adapter", self.adapters)):
+            for key, pages in table.items():
+                for p in pages:
+                    assert p not in owners, f"page {p} owned by {owners[p]} and {kind}:{key}"
+                    owners[p] = f"{kind}:{key}"
+        for p in self._free:
+            assert p not in owners, f"free page {p} also owned by {owners[p]}"
+            owners[p] = "free"
+        assert NULL_PAGE not in owners, "the null page was handed out"
+        assert len(owners) == self.total_pages, f"{self.total_pages - len(owners)} pages leaked"
+        for key in self._idle:
+            assert self.refs[key] == 0, f"idle adapter {key} has refs"
+        for key, n in self.refs.items():
+            assert n >= 0 and key in self.adapters
