@@ -8,8 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from slora_jax.adapters import LoraAdapter, load_peft_adapter
+from slora_jax.adapter_store import AdapterStore
 from slora_jax.config import load_model_config
+from slora_jax.engine import Engine, EngineOptions
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
 from slora_jax.tokenizer import load_tokenizer
@@ -24,24 +25,26 @@ class LLM:
     model: a Hugging Face Llama directory (config.json + safetensors) or a shape name from
     configs/models ("tiny", "llama-7b", ...), which gets dummy weights from `seed`.
     adapters: {name: PEFT adapter directory}.
+    options: EngineOptions fields (page_size, pool_pages, max_num_seqs, max_lora_rank,
+    lora_backend, attention_backend, ...).
     """
 
     def __init__(self, model: str | os.PathLike, adapters: dict[str, str] | None = None,
-                 dtype: str = "bfloat16", *, seed: int = 0, max_lora_rank: int = 128,
-                 max_model_len: int | None = None, cache_dir: str | None = None):
+                 dtype: str = "bfloat16", *, seed: int = 0, max_model_len: int | None = None,
+                 cache_dir: str | None = None, **options):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.model = str(model)
         self.dtype = dtype
         self.cfg = load_model_config(model)
-        self.max_lora_rank = max_lora_rank
+        self.options = EngineOptions(**options)
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self._rng = np.random.default_rng(seed)
-        self._adapters: dict[str, LoraAdapter] = {}
-        from slora_jax.reference_engine import ReferenceEngine
-        self._engine = ReferenceEngine(self.cfg, self.params, dtype)
+        self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
+                                  self.options.max_lora_rank, self.options.host_cache_size)
+        self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
 
@@ -51,17 +54,21 @@ class LLM:
         """Register (or replace) adapter `name`; fails whole, leaving the served set unchanged."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
-        adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_lora_rank)
-        self._adapters[name] = adapter
+        old = self.store.entries.get(name)
+        self.store.register(name, path)  # validates in full; raises before anything changes
+        if old is not None:
+            self.engine.pool.drop_adapter(old.key)  # running requests keep the version they started on
 
     def unload_adapter(self, name: str) -> None:
-        if name not in self._adapters:
+        if name not in self.store:
             raise KeyError(f"adapter {name!r} is not registered")
-        del self._adapters[name]
+        if name in self.engine.busy_adapters():
+            raise RuntimeError(f"adapter {name!r} has requests in flight; unload it once they finish")
+        self.engine.pool.drop_adapter(self.store.unregister(name).key)
 
     @property
     def adapters(self) -> list[str]:
-        return sorted(self._adapters)
+        return sorted(self.store.entries)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -75,9 +82,17 @@ class LLM:
                 raise ValueError(f"prompt of {len(toks)} tokens + max_tokens={p.max_tokens} exceeds "
                                  f"max_model_len={self.max_model_len}")
         seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
-        outs = self._engine.generate(token_prompts, params, seeds, adapters, self.cfg.eos_token_ids)
-        for out, name in zip(outs, adapters):
-            out.adapter = name.name if name is not None else None
+        outs = []
+        try:
+            for t, p, a, s in zip(token_prompts, params, adapters, seeds):
+                outs.append(self.engine.add_request(t, p, a, s, self.cfg.eos_token_ids))
+        except ValueError:
+            for out in outs:  # all or nothing
+                self.engine.abort(out.request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        for out in outs:
             if self.tokenizer is not None:
                 shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
                 out.text = self.tokenizer.decode(shown)
@@ -86,10 +101,10 @@ class LLM:
     def prompt_logits(self, prompts, adapter=None) -> list[np.ndarray]:
         """Logits [T_i, vocab] (float32) at every prompt position, all rows in one mixed batch."""
         token_prompts, adapters = self._prepare(prompts, adapter)
-        return self._engine.prompt_logits(token_prompts, adapters)
+        return self.engine.prompt_logits(token_prompts, adapters)
 
     def stats(self) -> dict:
-        return {"registered_adapters": len(self._adapters)}
+        return {**self.engine.stats(), "registered_adapters": len(self.store.entries)}
 
     # -- input checks --------------------------------------------------------------------------
 
@@ -100,12 +115,10 @@ class LLM:
             raise ValueError("prompts is empty")
         token_prompts = [self._tokenize(p) for p in prompts]
         names = self._per_row(adapter, len(token_prompts), "adapter")
-        adapters = []
         for n in names:
-            if n is not None and n not in self._adapters:
+            if n is not None and n not in self.store:
                 raise ValueError(f"unknown adapter {n!r}; registered: {self.adapters}")
-            adapters.append(self._adapters[n] if n is not None else None)
-        return token_prompts, adapters
+        return token_prompts, names
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,94 @@
+"""Host adapter store: thousands of registered adapters, loaded lazily, a bounded host cache.
+
+Registering validates the adapter in full (so a bad one fails at load time and nothing changes),
+keeps its page layout, and caches its packed rows. Only `host_cache_size` adapters keep their rows
+in host memory; the rest are re-read from disk on demand. Each (re-)registration bumps a version:
+the pool keys pages by (name, version), so a replaced adapter's stale pages are never served.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from slora_jax.adapters import load_peft_adapter
+from slora_jax.config import ModelConfig
+from slora_jax.layout import AdapterLayout, pack_adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterEntry:
+    name: str
+    path: str
+    version: int
+    layout: AdapterLayout
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.version)
+
+
+def _pinned_host(x: np.ndarray):
+    """Stage host rows in pinned memory where the platform has it, so host->device copies run at
+    full PCIe speed and asynchronously; plain numpy elsewhere (CPU)."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return x
+    try:
+        sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        return jax.device_put(x, sharding)
+    except (ValueError, RuntimeError):
+        return x
+
+
+class AdapterStore:
+    def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256):
+        self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
+        self.host_cache_size = host_cache_size
+        self.entries: dict[str, AdapterEntry] = {}
+        self._rows: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._version = 0
+        self.disk_loads = 0
+
+    def register(self, name: str, path: str | os.PathLike) -> AdapterEntry:
+        adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
+        self._version += 1
+        layout = AdapterLayout.of(adapter, self.cfg, self.page_size)
+        entry = AdapterEntry(name, str(path), self._version, layout)
+        old = self.entries.get(name)
+        if old is not None:
+            self._rows.pop(old.key, None)
+        self.entries[name] = entry
+        self._cache(entry.key, pack_adapter(adapter, layout, self.cfg, self.dtype))
+        return entry
+
+    def unregister(self, name: str) -> AdapterEntry:
+        entry = self.entries.pop(name)
+        self._rows.pop(entry.key, None)
+        return entry
+
+    def get(self, name: str) -> AdapterEntry:
+        return self.entries[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def rows(self, entry: AdapterEntry):
+        """Packed rows [L, rows, W] for the adapter version `entry`, from cache or disk."""
+        if entry.key in self._rows:
+            self._rows.move_to_end(entry.key)
+            return self._rows[entry.key]
+        adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
+        self.disk_loads += 1
+        return self._cache(entry.key, pack_adapter(adapter, entry.layout, self.cfg, self.dtype))
+
+    def _cache(self, key, rows: np.ndarray):
+        staged = _pinned_host(rows)
+        self._rows[key] = staged
+        while len(self._rows) > self.host_cache_size:
+            self._rows.popitem(last=False)
+        return staged
