@@ -382,8 +382,9 @@ class Engine:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         for p, a in zip(prompts, adapters):
             self.add_request(p, params, a, 0, ())
-        saved = self.opts.max_prefill_tokens, self.opts.max_prefill_seqs
-        self.opts.max_prefill_tokens, self.opts.max_prefill_seqs = sum(map(len, prompts)), len(prompts)
+        saved = self.opts.max_prefill_tokens, self.opts.max_prefill_seqs, self.opts.max_num_seqs
+        self.opts.max_prefill_tokens = sum(map(len, prompts))
+        self.opts.max_prefill_seqs = self.opts.max_num_seqs = len(prompts)
         try:
             chunks = self._schedule_prefill()
             if len(chunks) != len(prompts):
@@ -392,7 +393,7 @@ class Engine:
             self.kv, logits = paged.step_all_logits(self.params, self.kv, inp, cfg=self.cfg)
             logits = np.asarray(logits)
         finally:
-            self.opts.max_prefill_tokens, self.opts.max_prefill_seqs = saved
+            self.opts.max_prefill_tokens, self.opts.max_prefill_seqs, self.opts.max_num_seqs = saved
             for req in list(self.running) + list(self.waiting):
                 self.abort(req.rid)
         out, at = [], 0
