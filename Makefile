@@ -1,4 +1,5 @@
 # Two commands do all the set-up: `make demo` and `make test`.
+# CPU by default; on a GPU machine run with JAX_PLATFORMS= (empty) or cuda.
 PY312   ?= $(shell command -v python3.12 || echo python3)
 PY311   ?= $(shell command -v python3.11 || echo python3)
 VENV    := .venv
@@ -6,7 +7,7 @@ ORACLE  := .venv-oracle
 PIP     := $(VENV)/bin/python -m pip
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test serve bench lint venv oracle clean
+.PHONY: demo test bench venv oracle clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PY312) -m venv $(VENV)
@@ -30,11 +31,8 @@ demo: $(VENV)/.stamp
 test: $(VENV)/.stamp $(ORACLE)/.stamp
 	SLORA_ORACLE_PYTHON=$(ORACLE)/bin/python $(VENV)/bin/python -m pytest -q -x tests
 
-serve: $(VENV)/.stamp
-	$(VENV)/bin/python -m slora_jax serve --model tiny
-
 bench: $(VENV)/.stamp
-	bash bench/gpu_suite.sh
+	$(VENV)/bin/python bench/engine_bench.py --model tiny --quick
 
 clean:
 	rm -rf $(VENV) $(ORACLE)
