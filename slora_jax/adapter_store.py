@@ -1,9 +1,11 @@
 """Host adapter store: thousands of registered adapters, loaded lazily, a bounded host cache.
 
 Registering validates the adapter in full (so a bad one fails at load time and nothing changes),
-keeps its page layout, and caches its packed rows. Only `host_cache_size` adapters keep their rows
-in host memory; the rest are re-read from disk on demand. Each (re-)registration bumps a version:
-the pool keys pages by (name, version), so a replaced adapter's stale pages are never served.
+keeps its page layout, and caches its packed rows. Only `host_cache_size` weight files keep their
+rows in host memory; the rest are re-read from disk on demand. The cache is keyed by the weight
+file's identity (path, size, mtime), so one directory registered under many names is read once.
+Each (re-)registration bumps a version: the pool keys pages by (name, version), so a replaced
+adapter's stale pages are never served.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,10 +29,18 @@ class AdapterEntry:
     path: str
     version: int
     layout: AdapterLayout
+    file_id: tuple
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
+
+
+def _file_id(path) -> tuple:
+    """Identity of an adapter's weights on disk: a rewrite changes mtime or size."""
+    f = Path(path) / "adapter_model.safetensors"
+    st = f.stat() if f.is_file() else None
+    return (str(Path(path).resolve()), st.st_size if st else -1, st.st_mtime_ns if st else -1)
 
 
 def _pinned_host(x: np.ndarray):
@@ -55,21 +66,21 @@ class AdapterStore:
         self.disk_loads = 0
 
     def register(self, name: str, path: str | os.PathLike) -> AdapterEntry:
-        adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
+        fid = _file_id(path)
+        known = next((e for e in self.entries.values() if e.file_id == fid and fid in self._rows), None)
+        if known is not None:
+            layout = known.layout
+        else:
+            adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
+            layout = AdapterLayout.of(adapter, self.cfg, self.page_size)
+            self._cache(fid, pack_adapter(adapter, layout, self.cfg, self.dtype))
         self._version += 1
-        layout = AdapterLayout.of(adapter, self.cfg, self.page_size)
-        entry = AdapterEntry(name, str(path), self._version, layout)
-        old = self.entries.get(name)
-        if old is not None:
-            self._rows.pop(old.key, None)
+        entry = AdapterEntry(name, str(path), self._version, layout, fid)
         self.entries[name] = entry
-        self._cache(entry.key, pack_adapter(adapter, layout, self.cfg, self.dtype))
         return entry
 
     def unregister(self, name: str) -> AdapterEntry:
-        entry = self.entries.pop(name)
-        self._rows.pop(entry.key, None)
-        return entry
+        return self.entries.pop(name)
 
     def get(self, name: str) -> AdapterEntry:
         return self.entries[name]
@@ -79,12 +90,15 @@ class AdapterStore:
 
     def rows(self, entry: AdapterEntry):
         """Packed rows [L, rows, W] for the adapter version `entry`, from cache or disk."""
-        if entry.key in self._rows:
-            self._rows.move_to_end(entry.key)
-            return self._rows[entry.key]
+        if entry.file_id in self._rows:
+            self._rows.move_to_end(entry.file_id)
+            return self._rows[entry.file_id]
         adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
+        if AdapterLayout.of(adapter, self.cfg, self.page_size) != entry.layout:
+            raise RuntimeError(f"adapter {entry.name!r} changed on disk since it was registered; "
+                               "register it again")
         self.disk_loads += 1
-        return self._cache(entry.key, pack_adapter(adapter, entry.layout, self.cfg, self.dtype))
+        return self._cache(entry.file_id, pack_adapter(adapter, entry.layout, self.cfg, self.dtype))
 
     def _cache(self, key, rows: np.ndarray):
         staged = _pinned_host(rows)
