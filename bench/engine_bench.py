@@ -1,0 +1,206 @@
+"""Paged-engine benchmark: decode step time against the roofline, and offline generation throughput.
+
+    python bench/engine_bench.py --model llama-7b --out results.json            # on the GPU
+    python bench/engine_bench.py --model tiny --quick                           # smoke test, CPU
+
+decode: B requests of context `--context` sit in the pool (random KV), and one jitted decode
+step is timed (median of `--iters`), without adapters and with min(B, 32) distinct rank-16
+adapters. Roofline = (weights + KV read + distinct adapters' weights) / measured copy bandwidth.
+
+throughput: `--requests` requests (prompt and output lengths from `--prompt-len`,
+`--max-tokens`, ignore_eos) over n rank-16 adapters (n=0: base model only), through
+`LLM.generate`. Adapters are `--distinct-files` PEFT directories registered under n names: each
+name is its own adapter to the engine (own pages, own host->device load); only the host cache
+shares the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from slora_jax import LLM, SamplingParams, paged
+from slora_jax.adapters import random_peft_adapter
+from slora_jax.engine import Request
+from slora_jax.request import RequestOutput
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except Exception:
+        return "unknown"
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Bytes read + written per second by an on-device elementwise copy."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * nbytes / float(np.median(ts))
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def randomize_pool(llm: LLM) -> None:
+    keys = jax.random.split(jax.random.PRNGKey(1), len(llm.engine.kv))
+    fill = jax.jit(lambda k, a: (0.5 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype),
+                   donate_argnums=1)
+    llm.engine.kv = [fill(k, a) for k, a in zip(keys, llm.engine.kv)]
+
+
+def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
+    eng = llm.engine
+    reqs = []
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        entry = eng.store.get(adapters[i % len(adapters)]) if adapters else None
+        tokens = rng.integers(3, llm.cfg.vocab_size, context).tolist()
+        req = Request(f"bench-{batch}-{i}", tokens, context - 1, SamplingParams(max_tokens=1 << 20), i,
+                      entry, RequestOutput(f"bench-{i}", tokens), frozenset(), 0.0, num_computed=context - 1)
+        assert eng._admit(req) and eng._grow(req, context), "pool too small for the decode benchmark"
+        reqs.append(req)
+    inp, _ = eng._decode_inputs(reqs)
+    inp = jax.device_put(inp)
+    for _ in range(2):
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+    res.block_until_ready()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+        res.block_until_ready()
+        ts.append(time.perf_counter() - t)
+    for r in reqs:
+        eng._release(r)
+    distinct = {r.adapter.key: r.adapter for r in reqs if r.adapter}
+    cfg = llm.cfg
+    itemsize = jnp.dtype(llm.dtype).itemsize
+    kv_bytes = batch * context * cfg.num_hidden_layers * 2 * cfg.kv_size * itemsize
+    ad_bytes = sum(e.layout.rows for e in distinct.values()) * cfg.kv_size * cfg.num_hidden_layers * itemsize
+    w_bytes = tree_bytes(llm.params)
+    roof = (w_bytes + kv_bytes + ad_bytes) / bw
+    ms = float(np.median(ts)) * 1e3
+    return {"batch": batch, "context": context, "distinct_adapters": len(distinct), "ms": ms,
+            "roofline_ms": roof * 1e3, "x_roofline": ms / (roof * 1e3),
+            "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": ad_bytes}}
+
+
+def bench_throughput(llm: LLM, n_adapters: int, names: list[str], args) -> dict:
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, llm.cfg.vocab_size, int(rng.integers(*args.prompt_len))).tolist()
+               for _ in range(args.requests)]
+    chosen = [names[int(i)] for i in rng.integers(0, n_adapters, args.requests)] if n_adapters else None
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    before = llm.stats()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, adapter=chosen)
+    dt = time.perf_counter() - t
+    after = llm.stats()
+    n_tok = sum(len(o.token_ids) for o in outs)
+    return {"adapters": n_adapters, "requests": len(outs), "generated_tokens": n_tok, "seconds": dt,
+            "tok_per_s": n_tok / dt, "distinct_in_batch": len(set(chosen or [])),
+            "steps": after["steps"] - before["steps"], "evictions": after["evictions"] - before["evictions"],
+            "preempted": after["preempted"] - before["preempted"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-7b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--pool-pages", type=int, default=None)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--adapter-counts", default="0,1,100,1000")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", default="64,192")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--distinct-files", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.context, args.iters = "1,4", 32, 3
+        args.adapter_counts, args.requests, args.max_tokens, args.prompt_len = "0,3", 8, 8, "4,12"
+        args.pool_pages = args.pool_pages or 512
+    args.prompt_len = tuple(int(x) for x in args.prompt_len.split(","))
+    skip = set(filter(None, args.skip.split(",")))
+
+    result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind),
+              "platform": jax.devices()[0].platform, "jax": jax.__version__, "python": platform.python_version(),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
+              "dtype": args.dtype, "page_size": args.page_size}
+    t0 = time.perf_counter()
+    max_seqs = max(args.requests, *(int(b) for b in args.batches.split(",")))
+    llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
+              max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=4096,
+              max_prefill_seqs=32, memory_fraction=0.7, max_adapters_per_batch=max_seqs)
+    result["load_s"] = time.perf_counter() - t0
+    result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None
+    bw = (result["copy_bandwidth_GBps"] or 50.0) * 1e9
+    randomize_pool(llm)
+    result["pool"] = llm.stats()
+
+    tmp = Path(tempfile.mkdtemp(prefix="slora-bench-"))
+    files = [random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
+                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
+             for i in range(args.distinct_files)]
+    n_max = max(int(n) for n in args.adapter_counts.split(","))
+    t0 = time.perf_counter()
+    names = []
+    for i in range(max(n_max, 32)):
+        llm.load_adapter(f"lora-{i}", files[i % len(files)])
+        names.append(f"lora-{i}")
+    result["register_s"] = time.perf_counter() - t0
+
+    if "decode" not in skip:
+        rows = []
+        for b in (int(x) for x in args.batches.split(",")):
+            for ads in ([], names[:min(b, 32)]):
+                r = bench_decode(llm, b, args.context, ads, args.iters, bw)
+                rows.append(r)
+                print(f"decode B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
+                      f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
+        result["decode"] = rows
+    if "throughput" not in skip:
+        rows = []
+        for n in (int(x) for x in args.adapter_counts.split(",")):
+            bench_throughput(llm, n, names[:n], args)  # warm-up: compiles this workload's buckets
+            r = bench_throughput(llm, n, names[:n], args)
+            rows.append(r)
+            print(f"throughput n={n:5d}  {r['tok_per_s']:9.1f} tok/s  ({r['seconds']:.1f} s, "
+                  f"{r['steps']} steps, {r['evictions']} evictions, {r['preempted']} preempted)", flush=True)
+        base = next((r for r in rows if r["adapters"] == 0), None)
+        for r in rows:
+            r["vs_base"] = r["tok_per_s"] / base["tok_per_s"] if base else None
+        result["throughput"] = rows
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
