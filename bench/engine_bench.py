@@ -175,31 +175,33 @@ def main() -> None:
         names.append(f"lora-{i}")
     result["register_s"] = time.perf_counter() - t0
 
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
     if "decode" not in skip:
-        rows = []
+        rows = result["decode"] = []
         for b in (int(x) for x in args.batches.split(",")):
             for ads in ([], names[:min(b, 32)]):
                 r = bench_decode(llm, b, args.context, ads, args.iters, bw)
                 rows.append(r)
+                save()
                 print(f"decode B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
                       f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
-        result["decode"] = rows
     if "throughput" not in skip:
-        rows = []
+        rows = result["throughput"] = []
         for n in (int(x) for x in args.adapter_counts.split(",")):
             bench_throughput(llm, n, names[:n], args)  # warm-up: compiles this workload's buckets
             r = bench_throughput(llm, n, names[:n], args)
             rows.append(r)
+            save()
             print(f"throughput n={n:5d}  {r['tok_per_s']:9.1f} tok/s  ({r['seconds']:.1f} s, "
                   f"{r['steps']} steps, {r['evictions']} evictions, {r['preempted']} preempted)", flush=True)
         base = next((r for r in rows if r["adapters"] == 0), None)
         for r in rows:
             r["vs_base"] = r["tok_per_s"] / base["tok_per_s"] if base else None
-        result["throughput"] = rows
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    save()
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
