@@ -94,6 +94,20 @@ def _from_dict(name: str, d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(name=name, **known)
 
 
+def _rope_from_hf(d: dict) -> dict:
+    """transformers 5 writes rope settings only under `rope_parameters` (theta inside it);
+    older configs use top-level `rope_theta` and `rope_scaling`."""
+    rp = d.get("rope_parameters")
+    if not rp:
+        return d
+    d = dict(d)
+    if "rope_theta" in rp:
+        d["rope_theta"] = rp["rope_theta"]
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    d["rope_scaling"] = None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+    return d
+
+
 def model_config_names() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.toml") if p.stem != "base")
 
@@ -111,7 +125,7 @@ def load_model_config(model: str | os.PathLike) -> ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{path}/config.json: hidden_act {act!r} is not supported (silu)")
-        return _from_dict(path.name, d)
+        return _from_dict(path.name, _rope_from_hf(d))
     shape = CONFIG_DIR / "models" / f"{model}.toml"
     if not shape.is_file():
         raise ValueError(

@@ -331,9 +331,9 @@ class Engine:
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         kv_slot = np.zeros(t, np.int32)
-        token_seq = np.zeros(t, np.int32)
+        token_seq = np.full(t, -1, np.int32)  # padding belongs to no sequence
         sample_idx = np.zeros(s, np.int32)
-        seq_lens = np.ones(s, np.int32)
+        ctx_lens = np.zeros(s, np.int32)
         token_reqs: list[Request | None] = [None] * t
         samplers = set()
         at = 0
@@ -346,13 +346,13 @@ class Engine:
             token_seq[at:at + n] = i
             token_reqs[at:at + n] = [req] * n
             sample_idx[i] = at + n - 1
-            seq_lens[i] = end
+            ctx_lens[i] = start
             if end == len(req.tokens):
                 samplers.add(i)
             at += n
         reqs = [c[0] for c in chunks]
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot, token_seq=token_seq,
-                               page_table=self._page_table(reqs, s), seq_lens=seq_lens, sample_idx=sample_idx,
+                               page_table=self._page_table(reqs, s), ctx_lens=ctx_lens, sample_idx=sample_idx,
                                lora=self._lora_inputs(token_reqs, t), decode=False,
                                **self._sampling_arrays(reqs, s))
         return inp, samplers
@@ -362,15 +362,15 @@ class Engine:
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         kv_slot = np.zeros(s, np.int32)
-        seq_lens = np.ones(s, np.int32)  # padded rows attend to the null page's first slot
+        ctx_lens = np.zeros(s, np.int32)
         for i, req in enumerate(batch):
             tokens[i] = req.tokens[req.num_computed]
             positions[i] = req.num_computed
             kv_slot[i] = self._kv_slots(req, positions[i:i + 1])[0]
-            seq_lens[i] = req.num_computed + 1
+            ctx_lens[i] = req.num_computed
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot,
                                token_seq=np.arange(s, dtype=np.int32), page_table=self._page_table(batch, s),
-                               seq_lens=seq_lens, sample_idx=np.arange(s, dtype=np.int32),
+                               ctx_lens=ctx_lens, sample_idx=np.arange(s, dtype=np.int32),
                                lora=self._lora_inputs(batch + [None] * (s - len(batch)), s), decode=True,
                                **self._sampling_arrays(batch, s))
         return inp, set(range(len(batch)))

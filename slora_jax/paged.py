@@ -40,9 +40,9 @@ class StepInputs:
     tokens: jax.Array       # [T] int32
     positions: jax.Array    # [T]
     kv_slot: jax.Array      # [T] page * page_size + offset where the token's K/V go (0: null page)
-    token_seq: jax.Array    # [T] sequence row of each token
+    token_seq: jax.Array    # [T] sequence row of each token (-1: padding)
     page_table: jax.Array   # [S, P]
-    seq_lens: jax.Array     # [S] context length once this step's tokens are written
+    ctx_lens: jax.Array     # [S] tokens of each sequence already in the pool before this step
     sample_idx: jax.Array   # [S] token whose logits each sequence samples from
     temperature: jax.Array  # [S]
     top_k: jax.Array        # [S]
@@ -76,40 +76,58 @@ def write_rows(pool: list[jax.Array], rows: jax.Array, data: jax.Array) -> list[
 # Attention over the pool (xla).
 
 
-def paged_attention_xla(q, pool_layer, inp: StepInputs, num_kv_heads: int):
-    """q [T, nh, d] against each token's sequence context in the pool."""
+def paged_attention_xla(q, k, v, pool_layer, inp: StepInputs):
+    """q, k, v [T, heads, d]: this step's tokens. Each token attends to its sequence's context
+    already in the pool (positions < ctx_lens) and, causally, to this step's tokens of the same
+    sequence. The pool is only read here: the step writes this step's K/V after every read, so
+    the donated pool is updated in place (see commit_kv)."""
     s, p = inp.page_table.shape
     ps = pool_layer.shape[2]
-    d = q.shape[-1]
+    kvh, d = k.shape[1], k.shape[2]
     kv = pool_layer[inp.page_table]  # [S, P, 2, ps, W]
-    k = kv[:, :, 0].reshape(s, p * ps, num_kv_heads, d)
-    v = kv[:, :, 1].reshape(s, p * ps, num_kv_heads, d)
-    ctx = jnp.arange(p * ps)
-    if inp.decode:
-        mask = (ctx[None, :] < inp.seq_lens[:, None])[:, None, :]  # [S, 1, C]
-        return model.attention_scores_softmax(q[:, None], k, v, mask)[:, 0]
-    # Packed prefill: every token against every sequence's context, masked to its own, causally.
+    pk = kv[:, :, 0].reshape(s, p * ps, kvh, d)
+    pv = kv[:, :, 1].reshape(s, p * ps, kvh, d)
+    in_ctx = jnp.arange(p * ps)[None, :] < inp.ctx_lens[:, None]  # [S, C]
+    if inp.decode:  # token i is sequence i
+        keys = jnp.concatenate([pk, k[:, None]], axis=1)
+        vals = jnp.concatenate([pv, v[:, None]], axis=1)
+        mask = jnp.concatenate([in_ctx, jnp.ones((s, 1), bool)], axis=1)[:, None, :]
+        return model.attention_scores_softmax(q[:, None], keys, vals, mask)[:, 0]
+    # Packed prefill: every token against every sequence's pooled context and every new token,
+    # masked to its own sequence (and causally among the new tokens).
     t = q.shape[0]
-    mask = (inp.token_seq[:, None, None] == jnp.arange(s)[None, :, None]) & \
-           (ctx[None, None, :] <= inp.positions[:, None, None])  # [T, S, C]
-    o = model.attention_scores_softmax(q[None], k.reshape(1, s * p * ps, num_kv_heads, d),
-                                       v.reshape(1, s * p * ps, num_kv_heads, d),
-                                       mask.reshape(1, t, s * p * ps))
-    return o[0]
+    same = inp.token_seq[:, None] == jnp.arange(s)[None, :]                     # [T, S]
+    ctx_mask = (same[:, :, None] & in_ctx[None]).reshape(t, s * p * ps)
+    new_mask = (inp.token_seq[:, None] == inp.token_seq[None, :]) & \
+               (inp.positions[None, :] <= inp.positions[:, None])              # [T, T]
+    keys = jnp.concatenate([pk.reshape(s * p * ps, kvh, d), k], axis=0)[None]
+    vals = jnp.concatenate([pv.reshape(s * p * ps, kvh, d), v], axis=0)[None]
+    mask = jnp.concatenate([ctx_mask, new_mask], axis=1)[None]
+    return model.attention_scores_softmax(q[None], keys, vals, mask)[0]
 
 
-def paged_attend(inp: StepInputs, cfg: ModelConfig):
-    def attend(layer, q, k, v, pool):
-        pl = pool[layer]
-        ps = pl.shape[2]
-        page, off = inp.kv_slot // ps, inp.kv_slot % ps
-        pl = pl.at[page, 0, off].set(k.reshape(k.shape[0], -1).astype(pl.dtype))
-        pl = pl.at[page, 1, off].set(v.reshape(v.shape[0], -1).astype(pl.dtype))
-        o = paged_attention_xla(q, pl, inp, cfg.num_key_value_heads)
-        pool = list(pool)
-        pool[layer] = pl
-        return o, pool
+def write_kv(pool_layer, k, v, kv_slot):
+    ps = pool_layer.shape[2]
+    page, off = kv_slot // ps, kv_slot % ps
+    pool_layer = pool_layer.at[page, 0, off].set(k.reshape(k.shape[0], -1).astype(pool_layer.dtype))
+    return pool_layer.at[page, 1, off].set(v.reshape(v.shape[0], -1).astype(pool_layer.dtype))
+
+
+def paged_attend(inp: StepInputs):
+    """Attention reads the pool; each layer's new K/V is kept aside and written by `commit_kv`."""
+    def attend(layer, q, k, v, state):
+        pool, pending = state
+        o = paged_attention_xla(q, k, v, pool[layer], inp)
+        return o, (pool, pending + ((k, v),))
     return attend
+
+
+def commit_kv(h, pool, pending, kv_slot):
+    """Write every layer's new K/V once every read of the pool is done. The barrier makes the
+    writes wait for `h`, which depends on all reads, so XLA updates the donated pool in place
+    instead of copying it (a copy of a pool-sized buffer per layer would not fit)."""
+    h, pool = jax.lax.optimization_barrier((h, pool))
+    return h, [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, pending)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,8 +147,9 @@ def lora_xla(x, pool_layer, a_rows, b_rows, ranks, token_slot, max_rank: int, fi
     return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)
 
 
-def pool_lora(lora: LoraInputs, cfg: ModelConfig):
-    def delta(layer, module, x, pool):
+def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
+    """Reads adapters from the pool as it was at the start of the step (see paged_attention_xla)."""
+    def delta(layer, module, x, _kv):
         if module not in lora.rows:
             return None
         a_rows, b_rows = lora.rows[module]
@@ -143,10 +162,16 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig):
 # ---------------------------------------------------------------------------------------------
 
 
+def _forward(params, pool, inp: StepInputs, cfg: ModelConfig):
+    lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
+    h, (pool, pending) = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp),
+                                       (pool, ()), lora)
+    return commit_kv(h, pool, pending, inp.kv_slot)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig):
-    lora = pool_lora(inp.lora, cfg) if inp.lora is not None else None
-    h, pool = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp, cfg), pool, lora)
+    h, pool = _forward(params, pool, inp, cfg)
     logits = model.lm_logits(params, cfg, h[inp.sample_idx])
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(inp.seeds, inp.steps)
     tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys)
@@ -157,8 +182,7 @@ def step(params, pool, inp: StepInputs, *, cfg: ModelConfig):
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
 def step_all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """A prefill step that returns the logits of every token (scoring; tests)."""
-    lora = pool_lora(inp.lora, cfg) if inp.lora is not None else None
-    h, pool = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp, cfg), pool, lora)
+    h, pool = _forward(params, pool, inp, cfg)
     return pool, model.lm_logits(params, cfg, h)
 
 
