@@ -258,3 +258,35 @@ def test_legacy_config_layout(oracle):
     outs = llm.generate([oracle.prompts[p] for p, _ in rows], _greedy(), adapter=[a for _, a in rows])
     for out, (p, a) in zip(outs, rows):
         _check_generation(out, oracle, "gqa", a, p, what="gqa_legacy: ")
+
+
+# --- the paged engine under pressure ------------------------------------------------------------
+
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool"])
+@pytest.mark.parametrize("model", MODELS)
+def test_paged_engine_configurations(oracle, model, config):
+    """The mixed batch through token-granular pages (S-LoRA's page size 1), and through a pool too
+    small to hold every adapter at once with fewer sequence slots than requests: adapters are
+    evicted and paged in again mid-run, requests queue, and every row still matches the oracle."""
+    LLM, _ = _api()
+    adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
+    prompts = [oracle.prompts[p] for p, _ in MIXED]
+    names = [a for _, a in MIXED]
+    if config == "page_size_1":
+        opts = dict(page_size=1)
+    else:
+        opts = dict(page_size=4, max_num_seqs=3)
+        probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", pool_pages=4096, **opts)
+        pages = sorted(probe.store.get(a).layout.pages for a in adapters)
+        kv = opts["max_num_seqs"] * -(-(max(map(len, prompts)) + 8) // opts["page_size"])
+        opts["pool_pages"] = 1 + kv + pages[-1] + pages[-2]  # at most two adapters at a time
+        assert sum(pages) > pages[-1] + pages[-2]
+    llm = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **opts)
+    outs = llm.generate(prompts, _greedy(), adapter=names)
+    for out, (p, a) in zip(outs, MIXED):
+        _check_generation(out, oracle, model, a, p, what=f"{config}: ")
+    stats = llm.stats()
+    if config == "tight_pool":
+        assert stats["evictions"] > 0, stats
+    assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
+    llm.engine.pool.check()
