@@ -155,8 +155,8 @@ def main() -> None:
     t0 = time.perf_counter()
     max_seqs = max(args.requests, *(int(b) for b in args.batches.split(",")))
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
-              max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=4096,
-              max_prefill_seqs=32, memory_fraction=0.7, max_adapters_per_batch=max_seqs)
+              max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=2048,
+              max_prefill_seqs=16, memory_fraction=0.7, max_adapters_per_batch=max_seqs)
     result["load_s"] = time.perf_counter() - t0
     result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None
     bw = (result["copy_bandwidth_GBps"] or 50.0) * 1e9

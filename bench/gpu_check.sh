@@ -13,7 +13,7 @@ python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|orbax-checkpoint|s
 rc=0
 if [[ $part == tests || $part == all ]]; then
   # float32 parity needs full-precision matmuls (XLA on GPU may otherwise use TF32).
-  JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log"
+  JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
 fi
 if [[ $part == bench || $part == all ]]; then
