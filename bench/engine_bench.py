@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -36,6 +37,8 @@ from slora_jax.request import RequestOutput
 
 
 def git_commit() -> str:
+    if os.environ.get("SLORA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["SLORA_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        cwd=Path(__file__).parent).strip()
