@@ -137,13 +137,7 @@ class Engine:
 
     def _load_adapter(self, entry: AdapterEntry, pages: list[int]) -> None:
         rows = page_rows(pages, entry.layout.rows, self.ps)
-        n = _pow2(len(rows), 64)
-        idx = np.zeros(n, np.int32)  # padding rows go to the null page
-        idx[:len(rows)] = rows
-        data = self.store.rows(entry)
-        if n != len(rows):
-            data = jnp.pad(jnp.asarray(data), ((0, 0), (0, n - len(rows)), (0, 0)))
-        self.kv = paged.write_rows(self.kv, idx, data)
+        self.kv = paged.load_rows(self.kv, rows, self.store.rows(entry))
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         need = self.kv_pages_for(n_tokens) - len(self.pool.kv.get(req.rid, ()))

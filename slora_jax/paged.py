@@ -1,7 +1,8 @@
 """The jitted step over the unified pool: `step(params, pool, inputs) -> (pool, results)`.
 
-`pool` is a list, one array per layer, of shape [pages, 2, page_size, W] (see layout.py). It is
-donated, so KV writes land in place. The step reads adapters straight from their pages and
+`pool` is a list, one array per layer, of shape [pages, 2, page_size, W] (see layout.py). The
+step is two jits: `forward_sample` only reads the pool, `commit_kv` only writes this step's K/V
+into it, donated, so the writes land in place. The step reads adapters straight from their pages and
 samples on the device; one [S, 2] float32 array (token, logprob) comes back to the host.
 
 The "xla" backends here are plain jnp: correct everywhere, and the baseline the kernels beat.
@@ -72,6 +73,19 @@ def write_rows(pool: list[jax.Array], rows: jax.Array, data: jax.Array) -> list[
     return out
 
 
+def load_rows(pool: list[jax.Array], rows: np.ndarray, data) -> list[jax.Array]:
+    """Page an adapter in: copy its rows [L, n, W] (numpy, or staged in pinned host memory) to the
+    device (asynchronous), pad n to a power of two (the padding writes into the null page, so
+    few scatter shapes get compiled) and scatter them into their pages."""
+    n = max(64, 1 << (len(rows) - 1).bit_length())
+    idx = np.zeros(n, np.int32)
+    idx[:len(rows)] = rows
+    data = jax.device_put(data, pool[0].sharding)
+    if n != len(rows):
+        data = jnp.pad(data, ((0, 0), (0, n - len(rows)), (0, 0)))
+    return write_rows(pool, idx, data)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention over the pool (xla).
 
@@ -114,7 +128,7 @@ def write_kv(pool_layer, k, v, kv_slot):
 
 
 def paged_attend(inp: StepInputs):
-    """Attention reads the pool; each layer's new K/V is kept aside and written by `commit_kv`."""
+    """Attention reads the pool; each layer's new K/V is returned and written by `commit_kv`."""
     def attend(layer, q, k, v, state):
         pool, pending = state
         o = paged_attention_xla(q, k, v, pool[layer], inp)
@@ -122,12 +136,12 @@ def paged_attend(inp: StepInputs):
     return attend
 
 
-def commit_kv(h, pool, pending, kv_slot):
-    """Write every layer's new K/V once every read of the pool is done. The barrier makes the
-    writes wait for `h`, which depends on all reads, so XLA updates the donated pool in place
-    instead of copying it (a copy of a pool-sized buffer per layer would not fit)."""
-    h, pool = jax.lax.optimization_barrier((h, pool))
-    return h, [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, pending)]
+@functools.partial(jax.jit, donate_argnums=0)
+def commit_kv(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax.Array]:
+    """Write every layer's new K/V [T, kv_heads, d] at kv_slot [T]. A jit of its own that only
+    scatters into the donated pool, so XLA updates it in place on every backend; inside the
+    step, where the same buffers are also gathered from, XLA on GPU copied them instead."""
+    return [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, new_kv)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,26 +178,38 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
 
 def _forward(params, pool, inp: StepInputs, cfg: ModelConfig):
     lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
-    h, (pool, pending) = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp),
-                                       (pool, ()), lora)
-    return commit_kv(h, pool, pending, inp.kv_slot)
+    h, (_, new_kv) = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp),
+                                   (pool, ()), lora)
+    return h, new_kv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig):
-    h, pool = _forward(params, pool, inp, cfg)
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
+    """Everything that reads the pool: the forward pass and the sampler."""
+    h, new_kv = _forward(params, pool, inp, cfg)
     logits = model.lm_logits(params, cfg, h[inp.sample_idx])
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(inp.seeds, inp.steps)
     tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys)
     results = jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
-    return pool, results
+    return new_kv, results
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig):
+    """One engine step: `(pool, results)`; the pool is donated (updated in place)."""
+    new_kv, results = forward_sample(params, pool, inp, cfg=cfg)
+    return commit_kv(pool, new_kv, inp.kv_slot), results
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
+    h, new_kv = _forward(params, pool, inp, cfg)
+    return new_kv, model.lm_logits(params, cfg, h)
+
+
 def step_all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """A prefill step that returns the logits of every token (scoring; tests)."""
-    h, pool = _forward(params, pool, inp, cfg)
-    return pool, model.lm_logits(params, cfg, h)
+    new_kv, logits = _all_logits(params, pool, inp, cfg=cfg)
+    return commit_kv(pool, new_kv, inp.kv_slot), logits
 
 
 def rows_needed(rank: int, features: int, width: int) -> int:
