@@ -1,0 +1,341 @@
+"""LoRA delta kernels over the unified pool: shrink (x @ A) and expand (y += xa @ B).
+
+S-LoRA's MBGMM (prefill) and MBGMV (decode) in one pair of Pallas kernels. Tokens arrive grouped
+by adapter slot: slot s owns tokens [seg_starts[s], seg_starts[s+1]); tokens from seg_starts[Sa] on
+are base-model tokens. A^T [r, in] and scale*B [r, out] of each slot are read straight from a
+layer's pool rows [N, W] through per-slot row indices (see slora_jax/layout.py); no per-token copy
+of A or B exists.
+
+Grid. The Triton lowering has neither scalar prefetch nor dynamic grid bounds, so the grid is static
+and everything data-dependent is read inside the kernel. A static (slot, token block) grid would
+need Sa * T/block_t programs, nearly all empty. Instead the wrapper cuts every slot's segment into
+blocks of `block_t` tokens and lists them back to back (`_block_schedule`): at most T/block_t + Sa
+blocks, none for base tokens, none for empty slots or slots of rank 0. The grid is
+(programs, column tiles): shrink's column tiles are rank tiles of xa, expand's are tiles of `out`.
+Each program walks the block list with stride `programs`, a loop whose trip count is traced, so
+base tokens and empty slots cost at most one trivial pass per program. A slot's weight tile is read
+by each of its blocks; concurrent programs work on consecutive blocks, i.e. on the same slot, so
+it comes from HBM once and from L2 after. A decode step has one block per slot (S-LoRA's MBGMV); the
+engine may pass a larger block_t for prefill to cut the re-reads (MBGMM).
+
+Padding is bounded by one tile: a block computes at most block_t - 1 dead token rows, and a slot of
+rank r computes ceil(r / rank_tile) rank tiles, whatever the batch's max rank (shrink: rank tiles at
+or past r skip under `pl.when`; expand: a `fori_loop` with a traced trip count ceil(r / rank_tile)).
+
+Columns. Row j of A^T starts at flat element j*in of the slot's row stream, i.e. at row
+a_rows[s, (j*in) // W], column (j*in) % W. A column tile is C columns with C a power of two dividing
+both W and `in` (`out` for B), so a tile of one A^T row never straddles two pool rows, and a tile of
+rank rows j..j+15 is one 2-D gather: a row index and a column offset per rank row. When W divides
+`in` every rank row has the same column offset (S-LoRA's layout for H and KV widths); the general
+case covers MLP widths such as 11008 with W = 4096 (C = 256). Widths whose common power-of-two
+factor is below 16 (Triton's smallest dot side) fall back to the jnp reference.
+
+The same kernel bodies run in interpret mode (CPU) and through the Triton lowering (GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401 (see below)
+from jax.experimental.pallas import triton as plgpu
+
+# `_fuser`: interpreting a pallas_call imports the fuser lazily, which adds a config to JAX's trace
+# context, so every jit traced before the first kernel call would miss its cache once and compile
+# twice. Importing it up front keeps the trace context fixed.
+
+# Block sizes. Triton wants power-of-two dot operands of at least 16 on every side. Not yet tuned on
+# a GPU: col_tile is a cap (the tile is the largest power of two dividing W, at most the cap).
+BLOCKS = {
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
+}
+BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
+MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this loop inside a program
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+
+
+def _blocks(p, n_programs, total_ref, body):
+    """Run body(b) for blocks b = p, p + n_programs, ... below the schedule's live total."""
+    total = total_ref[0]
+    trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
+
+    def one(i, carry):
+        b = p + i * n_programs
+        body(b)
+        return carry
+    jax.lax.fori_loop(0, trips, one, 0)
+
+
+def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
+    """[len(flat), C]: the C elements at each flat offset of slot s's row stream. C divides W and
+    the matrix width, so a tile never straddles two pool rows."""
+    rid = idx_ref[s, jax.lax.div(flat, width)]
+    first_col = pl.multiple_of(jax.lax.rem(flat, width), col_tile)  # lets Triton vectorise the load
+    cols = first_col[:, None] + jnp.arange(col_tile)[None, :]
+    return rows_ref[rid[:, None], cols]
+
+
+def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
+                   n_programs, block_t, rank_tile, col_tile, fin, width, dtype):
+    p, k = pl.program_id(0), pl.program_id(1)  # k: this program's rank tile
+
+    def block(b):
+        s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+        r = ranks_ref[s]
+
+        @pl.when(k * rank_tile < r)
+        def _():
+            tok_live = start + jnp.arange(block_t) < end
+            j = k * rank_tile + jnp.arange(rank_tile)          # A^T rows (rank columns of xa)
+            j_live = j < r
+            first = jnp.where(j_live, j, 0) * fin              # A^T row j starts at flat j * fin
+
+            def chunk(c, acc):
+                col = c * col_tile
+                at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
+                at = jnp.where(j_live[:, None], at, 0).astype(dtype)         # [rank_tile, C]
+                xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
+                                mask=tok_live[:, None], other=0).astype(dtype)  # [block_t, C]
+                return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+
+            acc = jax.lax.fori_loop(0, fin // col_tile, chunk,
+                                    jnp.zeros((block_t, rank_tile), jnp.float32))
+            plgpu.store(xa_ref.at[pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)], acc,
+                        mask=tok_live[:, None] & j_live[None, :])
+
+    _blocks(p, n_programs, total_ref, block)
+
+
+def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
+                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype):
+    p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
+    col = o * col_tile
+
+    def block(b):
+        s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+        r = ranks_ref[s]
+        tok_live = start + jnp.arange(block_t) < end
+
+        def rank_tile_step(kt, acc):
+            j = kt * rank_tile + jnp.arange(rank_tile)         # B rows
+            j_live = j < r
+            bt = _gather_tile(rows_ref, b_rows_ref, s, jnp.where(j_live, j, 0) * fout + col, width,
+                              col_tile)                                       # [rank_tile, C]
+            bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
+            xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(kt * rank_tile, rank_tile)],
+                             mask=tok_live[:, None] & j_live[None, :], other=0).astype(dtype)
+            return acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+
+        trips = jax.lax.div(r + rank_tile - 1, rank_tile)
+        acc = jax.lax.fori_loop(0, trips, rank_tile_step,
+                                jnp.zeros((block_t, col_tile), jnp.float32))
+        tile = (pl.ds(start, block_t), pl.ds(col, col_tile))
+        y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
+        plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
+                    mask=tok_live[:, None])
+
+    _blocks(p, n_programs, total_ref, block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders: the block schedule, the grid and the pallas_call.
+
+
+def _block_schedule(ranks, seg_starts, t: int, block_t: int):
+    """The token blocks of all slots, back to back: sched [3, NB] = (slot, first token, segment end)
+    and total [1], the number of live blocks. NB = floor((T + Sa*(block_t-1)) / block_t) bounds
+    sum_s ceil(len_s / block_t); blocks past `total` are never visited."""
+    sa = ranks.shape[0]
+    seg_starts = jnp.clip(seg_starts, 0, t)
+    lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
+    nblk = jnp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
+    ends = jnp.cumsum(nblk)
+    nb = max(1, (t + sa * (block_t - 1)) // block_t)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    slot = jnp.searchsorted(ends, b, side="right", method="compare_all")  # one fused op on GPU
+    slot = jnp.minimum(slot, sa - 1).astype(jnp.int32)
+    start = seg_starts[slot] + (b - (ends[slot] - nblk[slot])) * block_t
+    sched = jnp.stack([slot, start, seg_starts[slot + 1]]).astype(jnp.int32)
+    return sched, ends[-1:].astype(jnp.int32), nb
+
+
+def _col_tile(width: int, features: int, cap: int) -> int:
+    g = math.gcd(width, features)
+    return min(g & -g, cap)  # the largest power of two dividing W and the features, capped
+
+
+def _compiler_params(interpret: bool, blocks: dict):
+    if interpret:
+        return None
+    return plgpu.CompilerParams(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+
+
+def _check_block_t(block_t: int):
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16 (Triton dot sides), got {block_t}")
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "in_features", "interpret", "block_t",
+                                             "max_programs"))
+def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, interpret, block_t,
+            max_programs):
+    t, width = x.shape[0], rows.shape[1]
+    blocks = BLOCKS["shrink"]
+    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    n_programs = min(nb, max_programs)
+    kernel = functools.partial(
+        _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
+        col_tile=col_tile, fin=in_features, width=width,
+        dtype=jnp.promote_types(x.dtype, rows.dtype))
+    return pl.pallas_call(
+        kernel,
+        grid=(n_programs, pl.cdiv(max_rank, rank_tile)),
+        out_shape=jax.ShapeDtypeStruct((t, max_rank), jnp.float32),
+        input_output_aliases={6: 0},  # written only where live: the rest stays zero
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, blocks),
+        name="lora_shrink",
+    )(total, sched, ranks, a_rows.astype(jnp.int32), x, rows, jnp.zeros((t, max_rank), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "interpret", "block_t",
+                                             "max_programs"))
+def _expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank, out_features, interpret, block_t,
+            max_programs):
+    t, width = y.shape[0], rows.shape[1]
+    blocks = BLOCKS["expand"]
+    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    n_programs = min(nb, max_programs)
+    kernel = functools.partial(
+        _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
+        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(n_programs, out_features // col_tile),
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        input_output_aliases={6: 0},  # base tokens keep y
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, blocks),
+        name="lora_expand",
+    )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrappers.
+
+
+def _interpret(interpret):
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """xa [T, max_rank] float32: xa[t, :r_s] = x[t] @ A_s for the tokens of slot s, 0 elsewhere.
+
+    x [T, in]; rows [N, W] (one layer's pool as rows); a_rows [Sa, RA] int32, RA =
+    ceil(max_rank*in/W): row indices of A^T_s [r_s, in] flattened; ranks [Sa] (0: the slot has no A
+    for this module); seg_starts [Sa+1]. Unused entries of a_rows may point at any row.
+    """
+    assert x.shape[1] == in_features, (x.shape, in_features)
+    if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
+        # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
+        return lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
+                                     in_features=in_features)
+    _check_block_t(block_t)
+    return _shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=in_features,
+                   interpret=_interpret(interpret), block_t=block_t, max_programs=max_programs)
+
+
+def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """y + xa[:, :r_s] @ B_s for the tokens of slot s (base tokens unchanged), in y's dtype.
+
+    y [T, out]; xa [T, max_rank] float32 (from lora_shrink); b_rows [Sa, RB] int32 row indices of
+    scale*B_s [r_s, out] flattened. The product runs in the pool's dtype, accumulated in float32.
+    """
+    assert y.shape[1] == out_features and xa.shape[1] == max_rank, (y.shape, xa.shape, out_features)
+    if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
+        # See lora_shrink.
+        return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                                     out_features=out_features)
+    _check_block_t(block_t)
+    return _expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                   out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
+                   max_programs=max_programs)
+
+
+def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+               backend: str = "pallas", **kernel_options):
+    """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens."""
+    if backend == "pallas":
+        shrink = functools.partial(lora_shrink, **kernel_options)
+        expand = functools.partial(lora_expand, **kernel_options)
+    elif backend == "xla":
+        shrink, expand = lora_shrink_reference, lora_expand_reference
+    else:
+        raise ValueError(f"unknown LoRA backend {backend!r} (pallas | xla)")
+    xa = shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin)
+    y = jnp.zeros((x.shape[0], fout), jnp.float32)
+    return expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout)
+
+
+# ---------------------------------------------------------------------------------------------
+# References (plain jnp): the correctness oracle for the kernels, and the "xla" backend.
+
+
+_EXACT = jax.lax.Precision.HIGHEST  # an oracle: no TF32 for float32 inputs on GPU
+
+
+def token_slot(seg_starts, t: int):
+    """[T] the slot owning each token, -1 for base tokens."""
+    sa = seg_starts.shape[0] - 1
+    slot = jnp.searchsorted(seg_starts, jnp.arange(t), side="right") - 1
+    return jnp.where((slot >= 0) & (slot < sa), slot, -1).astype(jnp.int32)
+
+
+def _pool_weights(rows, idx, ranks, max_rank: int, features: int):
+    """[Sa, max_rank, features]: each slot's flattened matrix from its rows, rows >= rank zeroed."""
+    sa = idx.shape[0]
+    w = rows[idx].reshape(sa, -1)[:, :max_rank * features].reshape(sa, max_rank, features)
+    live = jnp.arange(max_rank)[None, :] < ranks[:, None]
+    return jnp.where(live[:, :, None], w, 0)
+
+
+def _one_hot(seg_starts, ranks, t: int, max_rank: int):
+    """[T, Sa, R]: token t belongs to slot s and rank column j < r_s."""
+    sel = token_slot(seg_starts, t)[:, None] == jnp.arange(ranks.shape[0])[None, :]
+    return sel[:, :, None] & (jnp.arange(max_rank)[None, None, :] < ranks[None, :, None])
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "in_features"))
+def lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int):
+    dtype = jnp.promote_types(x.dtype, rows.dtype)
+    a = _pool_weights(rows, a_rows, ranks, max_rank, in_features).astype(dtype)  # A^T [Sa, R, in]
+    xa = jnp.einsum("ti,sri->tsr", x.astype(dtype), a, preferred_element_type=jnp.float32,
+                    precision=_EXACT)
+    keep = _one_hot(seg_starts, ranks, x.shape[0], max_rank)
+    return jnp.where(keep, xa, 0).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "out_features"))
+def lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int,
+                          out_features: int):
+    b = _pool_weights(rows, b_rows, ranks, max_rank, out_features)  # [Sa, R, out]
+    keep = _one_hot(seg_starts, ranks, y.shape[0], max_rank)
+    xa = jnp.where(keep, xa.astype(jnp.float32)[:, None, :], 0).astype(rows.dtype)
+    delta = jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32, precision=_EXACT)
+    return (y.astype(jnp.float32) + delta).astype(y.dtype)

@@ -1,0 +1,249 @@
+"""LoRA shrink/expand kernels (pallas_kernels/lora.py) against their jnp reference, and both
+against a dense numpy product of the un-paged A and B.
+
+Every case scatters each adapter's A^T and B rows at random positions of a pool whose other rows
+are garbage of magnitude ~1e3, and points unused row indices at random rows, so reading a wrong row
+fails loudly. CPU runs the kernels in interpret mode; TestLoraKernelsGPU runs the same cases
+compiled through the Triton lowering and skips without a GPU. TestTritonLowering lowers both kernels for an
+H200 on the CPU (no GPU needed), which catches what the Triton lowering refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import lora
+
+SLOTS = 6         # every case pads to this many slots (rank 0, no tokens): fewer compilations
+MAX_RANK = 128
+TOKENS = 37
+POOL_ROWS = 2048
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    ranks: tuple          # per slot; 0: the slot's adapter does not target this module
+    lens: tuple           # tokens per slot; the rest of the TOKENS are base tokens
+    fin: int = 64
+    fout: int = 160
+    width: int = 32
+
+
+CASES = {
+    # ranks {1, 8, 16, 64, 128} in one batch, a slot with no tokens, a rank-0 slot with tokens,
+    # odd segment lengths and a base tail
+    "mixed": Case(ranks=(1, 8, 16, 64, 128, 0), lens=(1, 5, 0, 13, 9, 3)),
+    "whole_batch": Case(ranks=(0, 64), lens=(0, TOKENS)),
+    "base_only": Case(ranks=(8, 16), lens=(0, 0)),
+    "decode": Case(ranks=(8, 128, 1, 16, 64), lens=(1, 1, 1, 1, 1)),
+    # GQA-like (out = W, as for k and v), in > out, and W does not divide in: rank rows of A^T
+    # start at different columns of their pool rows
+    "gqa_w_not_dividing": Case(ranks=(8, 64, 1, 128, 16), lens=(3, 17, 2, 6, 0), fin=160, fout=48,
+                               width=48),
+}
+
+
+def _pack(rng, mat, width, free, n_index, n_rows):
+    """Place a flattened matrix at random free rows; unused index entries point anywhere."""
+    flat = mat.reshape(-1)
+    used = -(-flat.size // width)
+    ids = np.array([free.pop() for _ in range(used)], np.int64)
+    idx = rng.integers(0, n_rows, n_index)
+    idx[:used] = ids
+    padded = np.concatenate([flat, np.full(used * width - flat.size, 1e3, np.float32)])
+    return idx, ids, padded.reshape(used, width)
+
+
+def make_inputs(case: Case, dtype, seed: int, max_rank: int = MAX_RANK):
+    rng = np.random.default_rng(seed)
+    pad = SLOTS - len(case.ranks)
+    ranks = np.array(case.ranks + (0,) * pad, np.int32)
+    lens = np.array(case.lens + (0,) * pad, np.int32)
+    seg = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    w = case.width
+    rows = (rng.uniform(500, 1500, (POOL_ROWS, w)) * rng.choice([-1, 1], (POOL_ROWS, w)))
+    rows = rows.astype(np.float32)
+    free = list(rng.permutation(POOL_ROWS))
+    ra, rb = -(-max_rank * case.fin // w), -(-max_rank * case.fout // w)
+    a_rows = np.zeros((SLOTS, ra), np.int32)
+    b_rows = np.zeros((SLOTS, rb), np.int32)
+    a_mats, b_mats = [], []
+    for s, r in enumerate(ranks):
+        a_t = (rng.normal(size=(r, case.fin)) / np.sqrt(case.fin)).astype(np.float32)
+        b = (rng.normal(size=(r, case.fout)) / np.sqrt(max(r, 1))).astype(np.float32)
+        a_rows[s], ids, data = _pack(rng, a_t, w, free, ra, POOL_ROWS)
+        rows[ids] = data
+        b_rows[s], ids, data = _pack(rng, b, w, free, rb, POOL_ROWS)
+        rows[ids] = data
+        a_mats.append(a_t)
+        b_mats.append(b)
+    rows = jnp.asarray(rows, dtype)
+    x = jnp.asarray(rng.normal(size=(TOKENS, case.fin)), dtype)
+    # What the kernels see, for the dense product: the matrices rounded to the pool's dtype.
+    a_mats = [np.asarray(jnp.asarray(a, dtype), np.float64) for a in a_mats]
+    b_mats = [np.asarray(jnp.asarray(b, dtype), np.float64) for b in b_mats]
+    arrays = dict(x=x, rows=rows, a_rows=jnp.asarray(a_rows), b_rows=jnp.asarray(b_rows),
+                  ranks=jnp.asarray(ranks), seg_starts=jnp.asarray(seg))
+    return arrays, a_mats, b_mats, seg, ranks
+
+
+def delta_args(arr):
+    return tuple(arr[k] for k in ("x", "rows", "a_rows", "b_rows", "ranks", "seg_starts"))
+
+
+def dense_delta(x, a_mats, b_mats, seg, ranks, fout):
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    out = np.zeros((x.shape[0], fout))
+    for s, r in enumerate(ranks):
+        if r:
+            t = slice(seg[s], seg[s + 1])
+            out[t] = (x[t] @ a_mats[s].T) @ b_mats[s]
+    return out
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def owner_rank(seg, ranks):
+    """[T] the rank of each token's slot, 0 for base tokens."""
+    slot = np.searchsorted(seg, np.arange(TOKENS), side="right") - 1
+    return np.where((slot >= 0) & (slot < SLOTS), ranks[np.clip(slot, 0, SLOTS - 1)], 0)
+
+
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+
+
+class TestLoraKernels:
+    INTERPRET = True
+
+    def _kw(self, **kw):
+        return dict(interpret=self.INTERPRET, **kw)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_shrink(self, name, dtype):
+        case = CASES[name]
+        arr, *_, seg, ranks = make_inputs(case, dtype, seed_of("shrink", name, dtype))
+        args = (arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"])
+        got = lora.lora_shrink(*args, max_rank=MAX_RANK, in_features=case.fin, **self._kw())
+        want = lora.lora_shrink_reference(*args, max_rank=MAX_RANK, in_features=case.fin)
+        assert got.shape == (TOKENS, MAX_RANK) and got.dtype == jnp.float32
+        assert rel_err(got, want) < TOL[dtype], rel_err(got, want)
+        # exact zeros past each token's rank, and for base tokens
+        dead = np.arange(MAX_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+        assert not np.asarray(got)[dead].any()
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_expand(self, name, dtype):
+        case = CASES[name]
+        arr, *_, seg, ranks = make_inputs(case, dtype, seed_of("expand", name, dtype))
+        rng = np.random.default_rng(seed_of("expand-y", name))
+        y = jnp.asarray(rng.normal(size=(TOKENS, case.fout)), dtype)
+        # garbage where xa must not be read: past each token's rank and on base tokens
+        xa = rng.normal(size=(TOKENS, MAX_RANK))
+        dead = np.arange(MAX_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+        xa = jnp.asarray(np.where(dead, 1e3, xa), jnp.float32)
+        args = (y, xa, arr["rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"])
+        got = lora.lora_expand(*args, max_rank=MAX_RANK, out_features=case.fout, **self._kw())
+        want = lora.lora_expand_reference(*args, max_rank=MAX_RANK, out_features=case.fout)
+        assert got.shape == y.shape and got.dtype == y.dtype
+        assert rel_err(got, want) < TOL[dtype], rel_err(got, want)
+        untouched = owner_rank(seg, ranks) == 0  # base tokens and tokens of rank-0 slots
+        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_delta_matches_dense(self, name, dtype):
+        case = CASES[name]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("dense", name, dtype))
+        args = delta_args(arr)
+        want = dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: xa is rounded before B
+        for backend, kw in (("pallas", self._kw()), ("xla", {})):
+            got = lora.lora_delta(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                                  backend=backend, **kw)
+            assert got.shape == (TOKENS, case.fout) and got.dtype == jnp.float32
+            if not want.any():
+                assert not np.asarray(got).any(), backend
+            else:
+                assert rel_err(got, want) < tol, (backend, rel_err(got, want))
+
+    def test_few_programs_small_max_rank(self):
+        """Fewer programs than blocks, so each walks several (the persistent loop); and a max rank
+        below one rank tile, so tiles are masked rather than padded into xa."""
+        case = Case(ranks=(8, 1, 0, 4), lens=(9, 3, 2, 11))
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed_of("few"), max_rank=8)
+        args = delta_args(arr)
+        got = lora.lora_delta(*args, max_rank=8, fin=case.fin, fout=case.fout,
+                              **self._kw(block_t=32, max_programs=2))
+        want = dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
+        assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
+class TestLoraKernelsGPU(TestLoraKernels):
+    INTERPRET = False
+
+
+def test_fallback_for_toy_widths():
+    """W = 24 and in = 64 share no power-of-two factor >= 16: the wrappers use the reference."""
+    case = Case(ranks=(8, 16), lens=(5, 20), width=24)
+    arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed_of("fallback"))
+    args = delta_args(arr)
+    got = lora.lora_delta(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout)
+    assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)) < 1e-5
+
+
+def test_block_schedule():
+    """Blocks cover every adapter token once, skip base tokens, empty and rank-0 slots."""
+    ranks = jnp.array([8, 16, 0, 4, 0], jnp.int32)
+    seg = jnp.array([0, 17, 17, 20, 53, 53], jnp.int32)
+    sched, total, nb = lora._block_schedule(ranks, seg, 60, 16)
+    sched, total = np.asarray(sched), int(total[0])
+    assert total == 2 + 0 + 0 + 3 and nb >= total
+    covered = np.concatenate([np.arange(st, min(st + 16, en)) for _, st, en in sched.T[:total]])
+    np.testing.assert_array_equal(covered, np.r_[0:17, 20:53])
+    assert list(sched[0, :total]) == [0, 0, 3, 3, 3]
+
+
+class TestTritonLowering:
+    """Lower both kernels for an H200 on the CPU: the Triton lowering runs, no GPU needed."""
+
+    @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
+                                                (11008, 4096, 4096)])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_lowers_to_triton(self, fin, fout, width, dtype):
+        t, sa, r, n = 40, 8, 64, 4096
+        sds = jax.ShapeDtypeStruct
+        i32 = jnp.int32
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                             platform="gpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+        def delta(x, rows, a_rows, b_rows, ranks, seg):
+            return lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg, max_rank=r, fin=fin,
+                                   fout=fout, interpret=False)
+
+        shapes = (sds((t, fin), dtype), sds((n, width), dtype),
+                  sds((sa, -(-r * fin // width)), i32), sds((sa, -(-r * fout // width)), i32),
+                  sds((sa,), i32), sds((sa + 1,), i32))
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+            warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+            hlo = jax.jit(delta).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("__gpu$xla.gpu.triton") == 2  # shrink and expand, not the fallback
