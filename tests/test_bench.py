@@ -1,0 +1,317 @@
+"""The benchmark harness: S-LoRA's trace generator, bench/run.py end to end on the S1-cpu
+miniature, its HTTP client against a stand-in server, the plots, and the HF PEFT baseline's
+code path (--smoke, in the oracle interpreter when there is one).
+
+The end-to-end run compiles a dozen small step shapes on a CPU (~20-30 s cold, a few seconds
+with the persistent compilation cache); the rest is fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import plots, run  # noqa: E402
+from bench.trace import (FixedBatch, Workload, generate, load_workload,  # noqa: E402
+                         WORKLOAD_DIR)
+
+# -- the trace ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cv", [1.0, 4.0])
+def test_arrivals_have_the_requested_rate_and_cv(cv):
+    w = Workload(n=100, rate=8.0, cv=cv, num_requests=200_000, duration_s=None)
+    s = generate(w).stats()
+    assert s["num_requests"] == 200_000
+    assert s["mean_gap_s"] == pytest.approx(1 / 8.0, rel=0.03)
+    assert s["gap_cv"] == pytest.approx(cv, rel=0.05)
+    assert s["offered_rate"] == pytest.approx(8.0, rel=0.03)
+
+
+def test_lengths_are_uniform_in_the_configured_half_open_ranges():
+    w = Workload(num_requests=50_000, duration_s=None, input_range=(8, 512), output_range=(3, 7))
+    t = generate(w)
+    p = np.array([r.prompt_len for r in t])
+    o = np.array([r.output_len for r in t])
+    assert p.min() == 8 and p.max() == 511 and p.mean() == pytest.approx((8 + 511) / 2, rel=0.01)
+    assert set(o.tolist()) == {3, 4, 5, 6}
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5])
+def test_adapter_popularity_is_a_monotone_power_law(alpha):
+    n = 5
+    w = Workload(n=n, alpha=alpha, num_requests=100_000, duration_s=None)
+    counts = generate(w).adapter_counts()
+    assert (np.diff(counts) < 0).all(), counts  # alpha < 1: low ids are the popular ones
+    expected = np.diff((np.arange(n + 1) / n) ** alpha)  # P(id = k) = ((k+1)/n)^a - (k/n)^a
+    np.testing.assert_allclose(counts / counts.sum(), expected, atol=0.01)
+
+
+def test_alpha_one_is_uniform_and_ids_stay_in_range():
+    w = Workload(n=7, alpha=1.0, num_requests=70_000, duration_s=None)
+    counts = generate(w).adapter_counts()
+    assert len(counts) == 7 and counts.sum() == 70_000
+    np.testing.assert_allclose(counts / 70_000, 1 / 7, atol=0.01)
+
+
+def test_trace_is_deterministic_per_seed_and_is_s_loras():
+    w = Workload(n=50, alpha=0.6, rate=3.0, cv=2.0, duration_s=100.0)
+    a, b, c = generate(w), generate(w), generate(w, seed=w.seed + 1)
+    assert a.requests == b.requests
+    assert a.requests != c.requests
+    # S-LoRA's benchmarks/trace.py: the global legacy generator, drawn in this order.
+    np.random.seed(w.seed)
+    total = int(w.rate * w.duration_s)
+    ids = (np.random.power(w.alpha, total) * w.n).astype(int)
+    ins = np.random.randint(*w.input_range, total)
+    outs = np.random.randint(*w.output_range, total)
+    tic = np.cumsum(np.random.gamma(1 / w.cv ** 2, w.cv ** 2 / w.rate, total))
+    assert [r.adapter_id for r in a] == ids.tolist()
+    assert [r.prompt_len for r in a] == ins.tolist()
+    assert [r.output_len for r in a] == outs.tolist()
+    np.testing.assert_allclose([r.arrival_s for r in a], tic)
+
+
+def test_workload_files_and_rank_assignment():
+    names = sorted(p.stem for p in WORKLOAD_DIR.glob("*.toml"))
+    for s in ("S1", "S2", "S4"):
+        assert s in names and f"{s}-cpu" in names
+    ranks = {"S1": (8,), "S2": (64, 32, 16, 8), "S4": (64, 32, 16)}
+    for name, rk in ranks.items():
+        w = load_workload(name)
+        assert w.ranks == rk and w.slo_s == 6.0
+        assert [w.rank_of(i) for i in range(2 * len(rk))] == list(rk) * 2  # cycling, as S-LoRA
+        assert w.engine_options["max_lora_rank"] == max(rk)
+        cpu = load_workload(f"{name}-cpu")
+        assert cpu.model == "tiny" and cpu.total_requests <= 16
+    assert load_workload("S4").model == "llama-2-13b"
+    w = load_workload("S1", n=5, rate=20.0, num_requests=30)
+    assert (w.n, w.rate, w.total_requests, w.duration_s) == (5, 20.0, 30, None)
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("S9")
+
+
+def test_fixed_batch_requests_are_shared_and_deterministic():
+    fb = FixedBatch(batch=8, prompt_len=5, output_len=3, mixed=3)
+    assert fb.prompts(100) == fb.prompts(100)
+    assert all(len(p) == 5 and min(p) >= 3 for p in fb.prompts(100))
+    assert fb.adapter_ids() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert dataclasses.replace(fb, mixed=0).adapter_ids() == [None] * 8
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+def test_summarize_counts_aborts_and_cutoffs_as_slo_misses():
+    R = run.Record
+    recs = [R(0, 0.0, "a", 4, 2, first_token_s=1.0, finish_s=2.0, tokens=2, finish_reason="length"),
+            R(1, 1.0, "a", 4, 2, first_token_s=8.0, finish_s=9.0, tokens=2, finish_reason="length"),
+            R(2, 2.0, None, 4, 2, finish_s=3.0, finish_reason="abort"),
+            R(3, 3.0, None, 4, 2, finish_s=3.0, finish_reason="rejected"),
+            R(4, 4.0, "b", 4, 2, first_token_s=5.0, tokens=1, finish_reason="cutoff")]
+    m = run.summarize(recs, slo_s=6.0, wall_s=10.0)
+    assert (m["completed"], m["aborted"], m["unfinished"]) == (2, 2, 1)
+    assert m["slo_attainment"] == pytest.approx(2 / 5)  # requests 0 and 4 met the deadline
+    assert m["throughput_req_s"] == pytest.approx(0.2)
+    assert m["generated_tokens"] == 5 and m["gen_tok_s"] == pytest.approx(0.5)
+    assert m["avg_latency_s"] == pytest.approx(5.0)
+    assert m["ttft_p50_s"] == pytest.approx(1.0)
+
+
+def test_padded_and_separate_modes_need_their_engine_hooks():
+    from slora_jax.engine import EngineOptions
+    have = {f.name for f in dataclasses.fields(EngineOptions)}
+    w = load_workload("S1-cpu")
+    for mode, (field, value, extra) in run.MODE_HOOKS.items():
+        if {field, *extra} <= have:
+            opts = run.engine_options(w, mode, adapter_slots=4, adapter_region_pages=8)
+            assert opts[field] == value
+        else:
+            with pytest.raises(ValueError, match=f"engine option {value} not available yet"):
+                run.engine_options(w, mode, adapter_slots=4, adapter_region_pages=8)
+    assert run.engine_options(w, "base") == w.engine_options
+    with pytest.raises(ValueError, match="mode must be"):
+        run.engine_options(w, "vllm")
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s1_cpu(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "s1-cpu.json"
+    result = run.main(["--workload", "S1-cpu", "--out", str(out)])
+    return result, out
+
+
+def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
+    result, out = s1_cpu
+    saved = json.loads(out.read_text())
+    assert saved["metrics"] == result["metrics"]
+    for key in ("commit", "device", "platform", "command", "workload", "trace", "pool", "engine_options"):
+        assert key in saved, key
+    m, p = result["metrics"], result["pool"]
+    w = load_workload("S1-cpu")
+    assert m["num_requests"] == w.total_requests == len(result["requests"])
+    assert m["completed"] + m["aborted"] == m["num_requests"] and m["unfinished"] == 0
+    assert 0.0 <= m["slo_attainment"] <= 1.0
+    assert m["gen_tok_s"] > 0 and m["throughput_req_s"] > 0
+    assert m["ttft_p50_s"] <= m["ttft_p99_s"]
+    assert 1 <= p["resident_adapters_max"] <= w.n
+    assert 0.0 < p["adapter_pool_share_max"] <= 1.0
+    for r in result["requests"]:
+        if r["finish_reason"] == "length":  # ignore_eos: every request runs to its length
+            assert r["tokens"] == r["output_len"]
+            assert r["arrival_s"] <= r["first_token_s"] <= r["finish_s"]
+    assert "throughput req/s" in run.table(result)
+
+
+def test_plots_from_run_jsons(s1_cpu, tmp_path):
+    result, out = s1_cpu
+    base = json.loads(out.read_text())
+    for n, rate, thr in ((1, 20.0, 0.5), (3, 10.0, 0.4)):  # made-up neighbours: an n sweep, a rate sweep
+        d = json.loads(json.dumps(base))
+        d["workload"]["n"], d["workload"]["rate"], d["metrics"]["throughput_req_s"] = n, rate, thr
+        (tmp_path / f"n{n}.json").write_text(json.dumps(d))
+    d = json.loads(json.dumps(base))
+    d["mode"] = "base"
+    (tmp_path / "base.json").write_text(json.dumps(d))
+    (tmp_path / "s1.json").write_text(out.read_text())
+    written = {p.name for p in plots.main([str(tmp_path)])}
+    assert {"throughput_vs_n.png", "slo_vs_rate.png", "ttft_cdf_S1-cpu.png", "summary.md"} <= written
+    text = (tmp_path / "summary.md").read_text()
+    assert "S1-cpu" in text and "| S1-cpu | 3 |" in text  # the unified/base ratio row
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
+    """Streams max_tokens one-token chunks, then usage, as an OpenAI completions server does."""
+    seen: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for k in range(n):
+            choice = {"index": 0, "text": "x", "finish_reason": "length" if k == n - 1 else None}
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_client_against_a_stand_in_server():
+    pytest.importorskip("httpx")
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        w = load_workload("S1-cpu", rate=50.0)
+        trace = generate(w)
+        names = [run.adapter_name(i) for i in range(w.n)]
+        recs, wall = asyncio.run(run._http_replay(f"http://127.0.0.1:{srv.server_port}", trace, names, None, 512))
+    finally:
+        srv.shutdown()
+    assert len(_FakeOpenAI.seen) == len(trace)
+    assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0.0 for b in _FakeOpenAI.seen)
+    assert {b["model"] for b in _FakeOpenAI.seen} <= set(names)
+    for rec in recs:
+        assert rec.finish_reason == "length" and rec.tokens == rec.output_len
+        assert rec.arrival_s <= rec.first_token_s <= rec.finish_s
+    m = run.summarize(recs, w.slo_s, wall)
+    assert m["completed"] == len(trace) and m["slo_attainment"] == 1.0
+
+
+def _server_exists() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("slora_jax.server", "fastapi", "uvicorn", "httpx"))
+
+
+@pytest.fixture
+def server_url(tmp_path):
+    """SLORA_BENCH_SERVER_URL, or with SLORA_BENCH_HTTP=1 a `slora-jax serve` of the tiny model
+    spawned here with S1-cpu's engine options (its step shapes hit the compilation cache)."""
+    if os.environ.get("SLORA_BENCH_SERVER_URL"):
+        yield os.environ["SLORA_BENCH_SERVER_URL"], None
+        return
+    if os.environ.get("SLORA_BENCH_HTTP") != "1" or not _server_exists():
+        pytest.skip("needs SLORA_BENCH_SERVER_URL, or SLORA_BENCH_HTTP=1 and slora_jax.server (~15 s more)")
+    e = load_workload("S1-cpu").engine_options
+    cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
+           "--no-warmup", "--served-model-name", "tiny", "--allowed-adapter-dirs", str(tmp_path),
+           "--max-lora-rank", str(e["max_lora_rank"]), "--max-num-seqs", str(e["max_num_seqs"]),
+           "--pool-pages", str(e["pool_pages"]), "--max-num-batched-tokens", str(e["max_prefill_tokens"]),
+           "--max-loras", str(e["max_adapters_per_batch"]), "--page-size", str(e["page_size"])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        url = None
+        for line in proc.stdout:  # "slora-jax: serving tiny + 0 adapters on http://127.0.0.1:PORT (...)"
+            if "serving" in line and "http://" in line:
+                url = line.split("http://")[1].split()[0]
+                break
+        assert url, "the server exited before it was serving"
+        yield "http://" + url, tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_http_against_a_real_server(server_url, tmp_path):
+    url, adapter_dir = server_url
+    result = run.main(["--workload", "S1-cpu", "--http", url, "--http-register",
+                       "--adapter-dir", str(adapter_dir or tmp_path), "--out", str(tmp_path / "http.json")])
+    m = result["metrics"]
+    assert m["completed"] + m["aborted"] == m["num_requests"] and m["gen_tok_s"] > 0
+    for r in result["requests"]:
+        if r["finish_reason"] == "length":
+            assert r["tokens"] == r["output_len"]
+
+
+# -- the HF PEFT baseline -----------------------------------------------------------------------
+
+
+def _torch_python() -> str | None:
+    py = os.environ.get("SLORA_ORACLE_PYTHON")
+    for cand in ([py, str(REPO / py)] if py else []) + [str(REPO / ".venv-oracle" / "bin" / "python")]:
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+@pytest.mark.skipif(_torch_python() is None, reason="no python with torch+transformers+peft "
+                                                    "(SLORA_ORACLE_PYTHON or .venv-oracle)")
+def test_hf_peft_baseline_smoke(tmp_path):
+    out = tmp_path / "hf.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1")
+    p = subprocess.run([_torch_python(), str(REPO / "bench" / "baselines" / "hf_peft.py"), "--smoke",
+                        "--part", "all", "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    d = json.loads(out.read_text())
+    assert [r["what"] for r in d["mixed"]] == ["base", "single", "mixed-1", "mixed-4"]
+    assert [r["what"] for r in d["merged"]] == ["merged-1", "merged-4"]
+    for r in d["mixed"] + d["merged"]:
+        assert r["generated_tokens"] == r["batch"] * r["gen_len"] and r["gen_tok_s"] > 0
+    assert d["merged"][1]["batches"] == 4
+    assert all(r["merged_matches_unmerged"] for r in d["merged"])
