@@ -204,7 +204,7 @@ def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
     if not _pow2_at_least_16(block_tokens):
         raise ValueError(f"block_tokens must be a power of two >= 16, got {block_tokens}")
     if not _pow2_at_least_16(d):
-        # Triton tiles are powers of two and dots need sides >= 16: toy head sizes use the reference.
+        # Triton tiles are powers of two, dot sides >= 16: toy head sizes use the reference.
         return paged_decode_attention_reference(q, k_new, v_new, pool_layer, page_table, ctx_lens)
     interpret = _interpret(interpret)
     if not interpret and pool_layer.size >= 2**31:

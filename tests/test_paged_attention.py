@@ -46,7 +46,7 @@ def garbage(rng, shape):
 
 
 def make_inputs(ps: int, heads: str, dtype, seed: int, head_dim: int = HEAD_DIM):
-    """Kernel arguments, plus each sequence's K/V [ctx, kvh, d] as the kernel sees them (float64)."""
+    """Kernel arguments, and each sequence's K/V [2, ctx, kvh, d] as the kernel sees them (f64)."""
     rng = np.random.default_rng(seed)
     nh, kvh = HEADS[heads]
     d, w = head_dim, kvh * head_dim
