@@ -37,10 +37,12 @@ class AdapterEntry:
 
 
 def _file_id(path) -> tuple:
-    """Identity of an adapter's weights on disk: a rewrite changes mtime or size."""
+    """Identity of an adapter's weights on disk. ctime is in it because a rewrite that keeps size
+    and mtime (cp -p, rsync -t) still changes ctime, which no user can set."""
     f = Path(path) / "adapter_model.safetensors"
     st = f.stat() if f.is_file() else None
-    return (str(Path(path).resolve()), st.st_size if st else -1, st.st_mtime_ns if st else -1)
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st else None
+    return (str(Path(path).resolve()), stamp)
 
 
 def _pinned_host(x: np.ndarray):
@@ -66,8 +68,10 @@ class AdapterStore:
         self.disk_loads = 0
 
     def register(self, name: str, path: str | os.PathLike) -> AdapterEntry:
+        """Validate and register; re-registering a name always reads its files again."""
         fid = _file_id(path)
-        known = next((e for e in self.entries.values() if e.file_id == fid and fid in self._rows), None)
+        known = next((e for e in self.entries.values()
+                      if e.file_id == fid and e.name != name and fid in self._rows), None)
         if known is not None:
             layout = known.layout
         else:

@@ -332,9 +332,6 @@ def test_queued_request_while_replaced_version_still_runs(paths, ref):
     assert_drained(llm)
 
 
-@pytest.mark.xfail(strict=True, reason="adapter_store.py register/_file_id: an adapter rewritten in place "
-                   "with the same size and mtime (cp -p, rsync -t, coarse timestamps) is taken for the "
-                   "cached one; re-registering serves the OLD weights without reading the file")
 def test_reregister_same_path_rewritten_in_place(paths, ref, tmp_path):
     d = tmp_path / "x"
     random_peft_adapter(d, CFG, rank=8, targets="all-linear", seed=ADAPTERS["a"][2])  # = "a"
