@@ -18,6 +18,7 @@ from slora_jax.pool import NULL_PAGE, OutOfPages, UnifiedPool
 
 NAMES = ("a", "b", "c", "d")
 HAS_PINS = hasattr(UnifiedPool, "pin_adapter")  # prefetch pins: references no request holds yet
+HAS_DISCARD = hasattr(UnifiedPool, "discard_adapter")  # undo of an allocation whose load failed
 
 
 def snapshot(pool: UnifiedPool):
@@ -254,6 +255,16 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.pins[key]:
             del self.pins[key]
         self.release(key, pool=False)
+
+    @precondition(lambda self: HAS_DISCARD and self.idle)
+    @rule(data=st.data())
+    def discard(self, data):
+        """An idle adapter whose pages were never filled: freed, the key stays usable."""
+        key = data.draw(st.sampled_from(self.idle))
+        self.pool.discard_adapter(key)
+        self.idle.remove(key)
+        del self.resident[key]
+        del self.refs[key]
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
