@@ -7,7 +7,7 @@ ORACLE  := .venv-oracle
 PIP     := $(VENV)/bin/python -m pip
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench venv oracle clean
+.PHONY: demo test serve bench venv oracle clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PY312) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: $(VENV)/.stamp
 
 test: $(VENV)/.stamp $(ORACLE)/.stamp
 	SLORA_ORACLE_PYTHON=$(ORACLE)/bin/python $(VENV)/bin/python -m pytest -q -x tests
+
+# OpenAI-compatible server on the embedded default (the demo's tiny model and 32 adapters), on
+# 127.0.0.1:8000; pass flags with ARGS="--port 9000 --api-key ...".
+serve: $(VENV)/.stamp
+	$(VENV)/bin/python -m slora_jax serve $(ARGS)
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python bench/engine_bench.py --model tiny --quick

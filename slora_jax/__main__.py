@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"demo": "run the main job on the embedded default (tiny model, generated adapters)"}
+COMMANDS = {
+    "demo": "run the main job on the embedded default (tiny model, generated adapters)",
+    "serve": "OpenAI-compatible HTTP server (see `slora-jax serve --help`)",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,6 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] == "demo":
         from slora_jax.demo import main as demo
         demo(argv[1:])
+    elif argv[0] == "serve":
+        from slora_jax.server import main as serve
+        serve(argv[1:])
 
 
 if __name__ == "__main__":
