@@ -55,8 +55,12 @@ class StepInputs:
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
+    """Zeroed pool arrays, committed to the device now: an uncommitted array becomes committed at
+    the first adapter load, and every step compiled before that would compile again."""
     shape = (num_pages, 2, page_size, cfg.kv_size)
-    return [jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]))
+    return [zeros() for _ in range(cfg.num_hidden_layers)]
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
