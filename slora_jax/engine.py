@@ -1,17 +1,17 @@
 """The paged engine: continuous batching over fixed-shape jitted steps and the unified pool.
 
-Host side only (numpy): it admits requests FCFS under the pool budget, grows KV page tables,
-preempts (and later recomputes) the newest request when pages run out, pages adapters in, builds
-the bucketed `StepInputs`, and runs one step at a time. Prefill (possibly in chunks) and decode
-never share a step, as in S-LoRA.
+Each step: the scheduler (scheduler.py, host only) decides the batch and its pages; the engine
+writes newly paged-in adapters, builds the bucketed `StepInputs`, dispatches the jitted step, and,
+while the device runs it, copies in the adapters the scheduler predicts the next batch needs
+(S-LoRA's prefetch). Then it waits for the one results array and hands it back for bookkeeping.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,20 +21,22 @@ from slora_jax import paged
 from slora_jax.adapter_store import AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
 from slora_jax.layout import page_rows
-from slora_jax.pool import NULL_PAGE, OutOfPages, UnifiedPool
+from slora_jax.metrics import EngineMetrics
+from slora_jax.pool import NULL_PAGE, UnifiedPool
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
+from slora_jax.scheduler import Plan, Request, Scheduler, SchedulerOptions, StepCostModel
+
+__all__ = ["Engine", "EngineOptions", "Request"]
 
 
 @dataclasses.dataclass
-class EngineOptions:
+class EngineOptions(SchedulerOptions):
+    """Scheduling options (max_num_seqs, admission_order, ttft_slo, prefetch_adapters, ...) are
+    `SchedulerOptions`'; these are the engine's own."""
     page_size: int = 16
     pool_pages: int | None = None          # None: from memory_fraction of free device memory
     memory_fraction: float = 0.85          # of the device memory left after the weights
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 2048
-    max_prefill_seqs: int = 16
-    max_adapters_per_batch: int = 64
     max_lora_rank: int = 64
     lora_backend: str = "xla"
     attention_backend: str = "xla"
@@ -42,30 +44,12 @@ class EngineOptions:
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         for name in ("lora_backend", "attention_backend"):
             if getattr(self, name) not in ("xla",):
                 raise ValueError(f"{name}={getattr(self, name)!r}: only 'xla' is available yet")
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    rid: str
-    tokens: list[int]                 # prompt + generated so far
-    prompt_len: int
-    params: SamplingParams
-    seed: int
-    adapter: AdapterEntry | None
-    out: RequestOutput
-    stops: frozenset
-    arrival: float
-    num_computed: int = 0             # tokens whose K/V are in the pool
-    holds_adapter: bool = False       # has a reference on its adapter's pages
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -74,7 +58,7 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, opts: EngineOptions,
-                 max_model_len: int):
+                 max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.params, self.dtype, self.store, self.opts = cfg, params, jnp.dtype(dtype), store, opts
         self.max_model_len = max_model_len
         if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None:
@@ -83,10 +67,12 @@ class Engine:
         num_pages = opts.pool_pages or self._pages_from_budget()
         self.pool = UnifiedPool(num_pages)
         self.kv = paged.empty_pool(cfg, num_pages, self.ps, self.dtype)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.num_preempted = 0
+        self.clock = clock
+        self.metrics = EngineMetrics()
+        self.sched = Scheduler(self.pool, opts, self.ps, store.entries.get, clock=clock,
+                               cost=StepCostModel(), metrics=self.metrics)
         self.step_count = 0
+        self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
 
     def _pages_from_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}
@@ -94,6 +80,18 @@ class Engine:
         # A device that reports no budget (the CPU) gets 1 GiB of pool.
         budget = (limit - used) * self.opts.memory_fraction if limit else 2**30
         return int(budget // paged.page_bytes(self.cfg, self.ps, self.dtype))
+
+    @property
+    def running(self) -> list[Request]:
+        return self.sched.running
+
+    @property
+    def waiting(self):
+        return self.sched.waiting
+
+    @property
+    def num_preempted(self) -> int:
+        return self.sched.num_preempted
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -110,157 +108,88 @@ class Engine:
                              f"{self.pool.total_pages}; it can never run")
         rid = new_request_id()
         out = RequestOutput(rid, list(prompt), logprobs=[] if params.logprobs else None, adapter=adapter)
-        self.waiting.append(Request(rid, list(prompt), len(prompt), params, seed, entry, out,
-                                    stop_ids(params, eos_ids), time.monotonic()))
+        self.sched.add(Request(rid, list(prompt), len(prompt), params, seed, entry, out,
+                               stop_ids(params, eos_ids), self.clock()))
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.sched.has_unfinished()
 
     def busy_adapters(self) -> set[str]:
-        return {r.adapter.name for r in [*self.running, *self.waiting] if r.adapter is not None}
+        return {r.adapter_name for r in [*self.running, *self.waiting] if r.adapter_name is not None}
 
-    # -- scheduling --------------------------------------------------------------------------
+    def abort(self, rid: str, why: str = "aborted") -> None:
+        self.sched.abort(rid, why)
+
+    # -- pages (also used by bench/engine_bench.py to seat requests by hand) -----------------
 
     def _admit(self, req: Request) -> bool:
-        """Take the adapter and enough KV pages for the request's next prefill chunk."""
-        newly = False
-        if req.adapter is not None:
-            try:
-                pages, newly = self.pool.acquire_adapter(req.adapter.key, req.adapter.layout.pages)
-            except OutOfPages:
-                return False
-            req.holds_adapter = True
-            if newly:
-                self._load_adapter(req.adapter, pages)
-        return True
-
-    def _load_adapter(self, entry: AdapterEntry, pages: list[int]) -> None:
-        rows = page_rows(pages, entry.layout.rows, self.ps)
-        self.kv = paged.load_rows(self.kv, rows, self.store.rows(entry))
+        """Take the request's adapter (`req.adapter` as given), loading it if not resident."""
+        ok = self.sched.take_adapter(req)
+        self._write_adapters(self.sched.pop_loads())
+        return ok
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
-        need = self.kv_pages_for(n_tokens) - len(self.pool.kv.get(req.rid, ()))
-        if need <= 0:
-            return True
-        try:
-            self.pool.grow_kv(req.rid, need)
-            return True
-        except OutOfPages:
-            return False
+        return self.sched.grow(req, n_tokens)
 
     def _release(self, req: Request) -> None:
-        self.pool.free_kv(req.rid)
-        if req.holds_adapter:
-            self.pool.release_adapter(req.adapter.key)
-            req.holds_adapter = False
+        self.sched.release(req)
 
-    def _preempt(self, req: Request) -> None:
-        """Give back everything and queue the request first in line; it is recomputed later."""
-        self.running.remove(req)
-        self._release(req)
-        req.num_computed = 0
-        self.waiting.appendleft(req)
-        self.num_preempted += 1
-
-    def _schedule_prefill(self) -> list[tuple[Request, int, int]]:
-        budget = self.opts.max_prefill_tokens
-        chunks = []
-        # Requests part-way through a chunked prefill go first.
-        for req in self.running:
-            if req.num_computed < len(req.tokens) - 1 and budget > 0 and len(chunks) < self.opts.max_prefill_seqs:
-                end = min(len(req.tokens), req.num_computed + budget)
-                if not self._grow(req, end):
-                    break
-                chunks.append((req, req.num_computed, end))
-                budget -= end - req.num_computed
-        while self.waiting and budget > 0 and len(chunks) < self.opts.max_prefill_seqs \
-                and len(self.running) < self.opts.max_num_seqs:
-            req = self.waiting[0]
-            end = min(len(req.tokens), budget)
-            if not self._admit(req):
-                break
-            if not self._grow(req, end):
-                self._release(req)
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            chunks.append((req, 0, end))
-            budget -= end
-        return chunks
-
-    def _schedule_decode(self) -> list[Request]:
-        batch = []
-        for req in list(self.running):
-            if req not in self.running or req.num_computed != len(req.tokens) - 1:
-                continue  # preempted below to make room, or still in prefill
-            while not self._grow(req, req.num_computed + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req in self.running:
-                batch.append(req)
-        return batch
+    def _write_adapters(self, loads: list[tuple[AdapterEntry, list[int]]], *, speculative: bool = False) -> None:
+        """Scatter adapters' packed rows into their pages. The host->device copy is dispatched
+        asynchronously; the scatter consumes the pool the in-flight step returns (donated), so it
+        runs after that step and never under it. An adapter whose rows cannot be read (its
+        directory is gone and the host cache dropped it) gets its pages freed and its requests
+        aborted; the first such error is raised afterwards, unless the loads were a prefetch."""
+        failed = []
+        for entry, pages in loads:
+            t = time.perf_counter()
+            try:
+                data = self.store.rows(entry)
+            except Exception as e:  # noqa: BLE001 - any failure to read leaves the pages unfilled
+                failed.append((entry, e))
+                continue
+            self.kv = paged.load_rows(self.kv, page_rows(pages, entry.layout.rows, self.ps), data)
+            self.metrics.adapter_load_seconds.observe(time.perf_counter() - t)
+            self.metrics.adapter_loads.inc()
+        for entry, e in failed:
+            self.sched.load_failed(entry, f"adapter {entry.name!r} could not be paged in: {e}")
+        if failed and not speculative:
+            raise failed[0][1]
 
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; returns the requests that finished in it."""
-        chunks = self._schedule_prefill()
-        if chunks:
-            inp, samplers = self._prefill_inputs(chunks)
-        else:
-            batch = self._schedule_decode()
-            if not batch:
-                return self._unstick()
-            chunks = [(r, r.num_computed, r.num_computed + 1) for r in batch]
-            inp, samplers = self._decode_inputs(batch)
+        """Run one prefill or decode step; returns the requests that finished in it (aborted
+        ones included)."""
+        plan = self.sched.schedule()
+        self._write_adapters(plan.loads)
+        if not plan.chunks:
+            self.sched.refresh_gauges()
+            return plan.finished
+        inp, _ = self._inputs(plan)
+        shape = (plan.kind, jax.tree_util.tree_structure(inp),
+                 tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
+        first_run = shape not in self._shapes
+        self._shapes.add(shape)
+        t = time.perf_counter()
         self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
+        # While the device runs the step: copy in what the next batch is predicted to need.
+        t_pre = time.perf_counter()
+        self._write_adapters(self.sched.prefetch(plan), speculative=True)
+        t_pre = time.perf_counter() - t_pre
         results = np.asarray(results)
+        seconds = time.perf_counter() - t
         self.step_count += 1
-        finished = []
-        for i, (req, start, end) in enumerate(chunks):
-            req.num_computed = end
-            if i in samplers:
-                self._append(req, int(results[i, 0]), float(results[i, 1]))
-                if req.out.finished:
-                    finished.append(req.out)
-        return finished
+        # A first run includes its compile, and a slow prefetch (disk) can outlast the step:
+        # neither says how long such a step takes.
+        timed = not first_run and t_pre < 0.5 * seconds
+        return plan.finished + self.sched.complete(plan, results, seconds if timed else None)
 
-    def _unstick(self) -> list[RequestOutput]:
-        """Nothing could be scheduled: free pages by preempting, or abort what cannot run alone."""
-        if len(self.running) > 1:
-            self._preempt(self.running[-1])
-            return []
-        req = self.running[0] if self.running else self.waiting.popleft() if self.waiting else None
-        if req is None:
-            return []
-        self._finish(req, "abort", "not enough free pages for this request even with nothing else running")
-        return [req.out]
-
-    def _append(self, req: Request, token: int, logprob: float) -> None:
-        req.tokens.append(token)
-        req.out.token_ids.append(token)
-        if req.out.logprobs is not None:
-            req.out.logprobs.append(logprob)
-        if token in req.stops:
-            self._finish(req, "stop")
-        elif req.generated >= req.params.max_tokens:
-            self._finish(req, "length")
-
-    def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
-        req.out.finish_reason, req.out.abort_reason = reason, why
-        if req in self.running:
-            self.running.remove(req)
-            self._release(req)
-
-    def abort(self, rid: str, why: str = "aborted") -> None:
-        for req in [*self.running, *self.waiting]:
-            if req.rid == rid:
-                if req in self.waiting:
-                    self.waiting.remove(req)
-                self._finish(req, "abort", why)
+    def _inputs(self, plan: Plan):
+        if plan.kind == "prefill":
+            return self._prefill_inputs(plan.chunks)
+        return self._decode_inputs(plan.requests)
 
     # -- step inputs -------------------------------------------------------------------------
 
@@ -376,20 +305,25 @@ class Engine:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         for p, a in zip(prompts, adapters):
             self.add_request(p, params, a, 0, ())
-        saved = self.opts.max_prefill_tokens, self.opts.max_prefill_seqs, self.opts.max_num_seqs
-        self.opts.max_prefill_tokens = sum(map(len, prompts))
-        self.opts.max_prefill_seqs = self.opts.max_num_seqs = len(prompts)
+        for req in self.waiting:
+            req.deadline = None  # no early abort here
+        self.sched.drop_pins()
+        o = self.opts
+        saved = o.max_prefill_tokens, o.max_prefill_seqs, o.max_num_seqs, o.max_adapters_per_batch
+        o.max_prefill_tokens = sum(map(len, prompts))
+        o.max_prefill_seqs = o.max_num_seqs = o.max_adapters_per_batch = len(prompts)
         try:
-            chunks = self._schedule_prefill()
-            if len(chunks) != len(prompts):
+            plan = self.sched.schedule()
+            self._write_adapters(plan.loads)
+            if plan.kind != "prefill" or len(plan.chunks) != len(prompts):
                 raise ValueError("prompts do not fit in the pool together")
-            inp, _ = self._prefill_inputs(chunks)
+            inp, _ = self._prefill_inputs(plan.chunks)
             self.kv, logits = paged.step_all_logits(self.params, self.kv, inp, cfg=self.cfg)
             logits = np.asarray(logits)
         finally:
-            self.opts.max_prefill_tokens, self.opts.max_prefill_seqs, self.opts.max_num_seqs = saved
+            o.max_prefill_tokens, o.max_prefill_seqs, o.max_num_seqs, o.max_adapters_per_batch = saved
             for req in list(self.running) + list(self.waiting):
-                self.abort(req.rid)
+                self.sched.abort(req.rid, "prompt_logits done", count=False)
         out, at = [], 0
         for p in prompts:
             out.append(logits[at:at + len(p)])
@@ -399,7 +333,9 @@ class Engine:
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict:
+        self.sched.refresh_gauges()
         return {
+            **self.metrics.snapshot(),
             "total_pages": self.pool.total_pages, "free_pages": self.pool.free_pages,
             "kv_pages": self.pool.kv_pages, "adapter_pages": self.pool.adapter_pages,
             "resident_adapters": len(self.pool.adapters), "running": len(self.running),

@@ -31,6 +31,7 @@ class UnifiedPool:
         self.refs: dict[Hashable, int] = {}
         self._idle: collections.OrderedDict[Hashable, None] = collections.OrderedDict()  # LRU order
         self._doomed: set[Hashable] = set()  # stale versions: freed as soon as idle
+        self.pins: dict[Hashable, int] = {}  # prefetch pins: references no request holds yet
         self.evictions = 0
 
     # -- accounting --------------------------------------------------------------------------
@@ -72,6 +73,7 @@ class UnifiedPool:
     def _release_pages(self, key) -> None:
         self._free.extend(reversed(self.adapters.pop(key)))
         self.refs.pop(key, None)
+        self.pins.pop(key, None)
         self._idle.pop(key, None)
         self._doomed.discard(key)
 
@@ -91,13 +93,22 @@ class UnifiedPool:
     def is_resident(self, key: Hashable) -> bool:
         return key in self.adapters
 
+    def is_idle(self, key: Hashable) -> bool:
+        return key in self._idle
+
+    def is_doomed(self, key: Hashable) -> bool:
+        return key in self._doomed
+
     def acquire_adapter(self, key: Hashable, n_pages: int) -> tuple[list[int], bool]:
         """Take a reference to adapter `key`, allocating its pages if not resident.
         Returns (pages, newly_allocated); the caller must fill new pages before they are read."""
         if key in self._doomed:
             raise KeyError(f"adapter {key!r} has been replaced or unloaded")
         if key in self.adapters:
-            self.refs[key] += 1
+            if self.pins.get(key):  # a prefetch pin's reference passes to this caller
+                self._unpin(key)
+            else:
+                self.refs[key] += 1
             self._idle.pop(key, None)
             return self.adapters[key], False
         pages = self._take(n_pages)
@@ -113,6 +124,25 @@ class UnifiedPool:
             else:
                 self._idle[key] = None  # most recently used at the end
 
+    def pin_adapter(self, key: Hashable, n_pages: int) -> tuple[list[int], bool]:
+        """Prefetch: take a reference on adapter `key` that no request holds yet (allocating its
+        pages if not resident). The adapter cannot be evicted while pinned; the pin passes to the
+        next `acquire_adapter` of the key, or `unpin_adapter` drops it."""
+        pages, new = self.acquire_adapter(key, n_pages)
+        self.pins[key] = self.pins.get(key, 0) + 1
+        return pages, new
+
+    def unpin_adapter(self, key: Hashable) -> None:
+        """Drop an unused prefetch pin: the adapter becomes idle (or is freed if stale)."""
+        if self.pins.get(key):
+            self._unpin(key)
+            self.release_adapter(key)
+
+    def _unpin(self, key: Hashable) -> None:
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+
     def drop_adapter(self, key: Hashable) -> None:
         """Free a replaced/unloaded adapter's pages now if idle, else once its last user finishes."""
         if key not in self.adapters:
@@ -121,6 +151,13 @@ class UnifiedPool:
             self._release_pages(key)
         else:
             self._doomed.add(key)
+
+    def discard_adapter(self, key: Hashable) -> None:
+        """Free an idle adapter's pages now without retiring the key (its load failed, so the
+        pages were never filled); a later acquire allocates and loads it afresh."""
+        if key in self.adapters:
+            assert self.refs.get(key, 0) == 0, f"adapter {key} is still referenced"
+            self._release_pages(key)
 
     def evict_idle(self) -> int:
         """Free every idle adapter (for tests and shutdown). Returns pages freed."""
@@ -149,3 +186,5 @@ class UnifiedPool:
             assert self.refs[key] == 0, f"idle adapter {key} has refs"
         for key, n in self.refs.items():
             assert n >= 0 and key in self.adapters
+        for key, n in self.pins.items():
+            assert 0 < n <= self.refs.get(key, 0), f"adapter {key} has {n} pins and {self.refs.get(key)} refs"

@@ -1,0 +1,614 @@
+"""Which requests run in the next step, under the unified pool's budget (host only: no JAX).
+
+The engine drives one `Scheduler` per step, and so can a mock step with a simulated clock
+(tests/test_scheduler.py):
+
+    plan = sched.schedule()                 # early aborts, admissions, KV growth, preemption
+    write plan.loads into the pool; build the step's inputs; dispatch the step
+    for entry, pages in sched.prefetch():   # while the step runs on the device
+        copy the adapter's rows into its pages
+    wait for the results
+    finished = sched.complete(plan, results, seconds)
+
+Policies (`SchedulerOptions`):
+- Admission under the pool budget. A request is admitted when the KV pages of its first prefill
+  chunk, its adapter's pages (nothing if the adapter is resident and held: each distinct adapter
+  counts once) and `kv_reserve` times the future KV growth of the running batch and itself fit in
+  the pages free or evictable now. kv_reserve=1 is S-LoRA's worst-case reservation (no
+  preemption); 0 admits on what is needed now and preempts (recompute) the newest request when
+  decode runs out of pages.
+- Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
+  first), then the rest: by arrival ("fcfs", S-LoRA), or resident adapters first, then larger
+  adapter groups, then age ("affinity"). A request of the first two kinds, or any request under
+  "fcfs", that does not fit stops admission for the step, so the pages and adapter slots it
+  waits for are not taken by younger requests: the wait is bounded.
+- Clustering. At most `max_adapters_per_batch` distinct adapters in the running batch; a younger
+  request for another adapter waits, an older one (past max_wait_s) blocks admission until the
+  batch drains.
+- Early abort. A queued request with a time-to-first-token objective (`SamplingParams.ttft_slo`,
+  else `ttft_slo`) is aborted at once, finish_reason "abort", when even its next possible prefill
+  (predicted by the step-cost model) would end past its deadline. The rest are served as above.
+- Prefetch. While a step runs, `prefetch` predicts the next admissions (a dry run of the same
+  admission walk) and pins their adapters in the pool (loading the cold ones, at most
+  `prefetch_adapters` a step, only from pages that the running batch's next decode growth does
+  not need). A pin protects the adapter from eviction until a request uses it or the next
+  schedule drops it.
+- Adapter versions. A waiting request binds to the adapter version registered under its name
+  when it is admitted (again after a preemption), so a re-registered adapter's stale pages,
+  prefetched or cached, never serve a request admitted after the re-registration; those pages
+  are freed once their last user is done.
+- Chunked prefill. A prompt longer than the step's token budget (`max_prefill_tokens`) is
+  prefilled in chunks over consecutive steps, ahead of new admissions. Prefill and decode
+  never share a step (S-LoRA); mixing prefill chunks into decode steps needs a step function
+  that takes both and is left to a later change.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from typing import Callable
+
+from slora_jax.metrics import EngineMetrics
+from slora_jax.pool import OutOfPages, UnifiedPool
+from slora_jax.request import RequestOutput
+from slora_jax.sampling import SamplingParams
+
+ORDERS = ("fcfs", "affinity")
+LOOKAHEAD = 512  # waiting requests an admission walk considers, in service order
+
+
+@dataclasses.dataclass
+class SchedulerOptions:
+    max_num_seqs: int = 64                 # running requests
+    max_prefill_tokens: int = 2048         # tokens per prefill step (longer prompts are chunked)
+    max_prefill_seqs: int = 16             # sequences per prefill step
+    max_adapters_per_batch: int = 64       # distinct adapters in the running batch (clustering)
+    admission_order: str = "fcfs"          # "fcfs" | "affinity"
+    max_wait_s: float = 1.0                # bounded wait: older requests go first and block
+    kv_reserve: float = 0.0                # share of future KV growth reserved at admission
+    ttft_slo: float | None = None          # default TTFT objective (s); None: no early abort
+    prefetch_adapters: int = 8             # adapters copied in per step ahead of use; 0: off
+
+    def __post_init__(self):
+        if self.admission_order not in ORDERS:
+            raise ValueError(f"admission_order must be one of {ORDERS}, got {self.admission_order!r}")
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_prefill_seqs", "max_adapters_per_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_reserve <= 1.0:
+            raise ValueError(f"kv_reserve must be in [0, 1], got {self.kv_reserve}")
+        if self.max_wait_s < 0 or self.prefetch_adapters < 0:
+            raise ValueError("max_wait_s and prefetch_adapters must be >= 0")
+        if self.ttft_slo is not None and self.ttft_slo <= 0:
+            raise ValueError(f"ttft_slo must be > 0 seconds or None, got {self.ttft_slo}")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: str
+    tokens: list[int]                 # prompt + generated so far
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    adapter: object | None            # AdapterEntry bound at admission (None: base model)
+    out: RequestOutput
+    stops: frozenset
+    arrival: float
+    num_computed: int = 0             # tokens whose K/V are in the pool
+    holds_adapter: bool = False       # has a reference on its adapter's pages
+    deadline: float | None = None     # arrival + TTFT objective
+    first_token_at: float | None = None
+    resumed: bool = False             # preempted after admission: goes first
+    adapter_name: str | None = dataclasses.field(init=False)  # what the request asked for
+
+    def __post_init__(self):
+        self.adapter_name = self.out.adapter if self.out.adapter is not None else \
+            self.adapter.name if self.adapter is not None else None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass
+class Plan:
+    """One step: `chunks` are (request, start, end) token ranges; all prefill or all decode."""
+    kind: str                                   # "prefill" | "decode" | "idle"
+    chunks: list[tuple[Request, int, int]]
+    loads: list[tuple[object, list[int]]]       # (adapter entry, pages) to fill before the step
+    finished: list[RequestOutput]               # aborted while scheduling
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c[0] for c in self.chunks]
+
+
+class StepCostModel:
+    """Step durations as a line in the step's token count, fitted to the observed steps with
+    exponential forgetting (one fit per step kind). Early abort asks it how long a prefill step
+    takes; a mock can pass an exact model instead."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._sums: dict[str, list[float]] = {}  # kind -> [n, x, y, xx, xy]
+
+    def observe(self, kind: str, tokens: int, seqs: int, seconds: float) -> None:
+        s = self._sums.setdefault(kind, [0.0] * 5)
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            s[i] = self.decay * s[i] + v
+
+    def predict(self, kind: str, tokens: int) -> float:
+        """Expected seconds of a `kind` step over `tokens` tokens (0 while nothing is known)."""
+        s = self._sums.get(kind)
+        if s is None:
+            return 0.0
+        n, x, y, xx, xy = s
+        mx, my = x / n, y / n
+        var = xx / n - mx * mx
+        slope = max(0.0, (xy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return max(0.0, my + slope * (tokens - mx))
+
+    def prefill_seconds(self, tokens: int) -> float:
+        return self.predict("prefill", tokens)
+
+
+@dataclasses.dataclass
+class _Prefetched:
+    entry: object
+    step: int
+
+
+class Scheduler:
+    def __init__(self, pool: UnifiedPool, opts: SchedulerOptions, page_size: int,
+                 resolve: Callable[[str], object | None], *, clock: Callable[[], float] = time.monotonic,
+                 cost: StepCostModel | None = None, metrics: EngineMetrics | None = None):
+        self.pool, self.opts, self.ps, self.resolve, self.clock = pool, opts, page_size, resolve, clock
+        self.cost = cost or StepCostModel()
+        self.metrics = metrics or EngineMetrics()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preempted = 0
+        self.steps = 0
+        self._loads: list[tuple[object, list[int]]] = []
+        self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
+        self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
+
+    def kv_pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.ps)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        slo = req.params.ttft_slo if req.params.ttft_slo is not None else self.opts.ttft_slo
+        req.deadline = req.arrival + slo if slo is not None else None
+        self.waiting.append(req)
+        self.metrics.requests_added.inc()
+
+    def abort(self, rid: str, why: str = "aborted", *, count: bool = True) -> list[RequestOutput]:
+        out = []
+        for req in [*self.running, *self.waiting]:
+            if req.rid == rid:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                self._finish(req, "abort", why, count=count)
+                out.append(req.out)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> Plan:
+        """Decide the next step: a prefill step if anything can be (or is being) prefilled, else
+        a decode step of every running request; allocate its pages."""
+        self.steps += 1
+        self._expire_pins()
+        finished = self._early_abort()
+        chunks = self._schedule_prefill(finished)
+        kind = "prefill"
+        if not chunks:
+            kind = "decode"
+            chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
+        if not chunks:
+            kind = "idle"
+            finished += self._unstick()
+        return Plan(kind, chunks, self.pop_loads(), finished)
+
+    def complete(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
+        """Bookkeeping after the step: results[i] = (token, logprob) of chunk i (used where the
+        chunk ends its request's known tokens); `seconds` feeds the cost model (None: skip)."""
+        m, now = self.metrics, self.clock()
+        tokens = sum(end - start for _, start, end in plan.chunks)
+        if seconds is not None:
+            self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
+            (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
+        m.batch_size.observe(len(plan.chunks))
+        m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
+        finished = []
+        for i, (req, start, end) in enumerate(plan.chunks):
+            if req.out.finished:  # aborted during the step
+                continue
+            req.num_computed = end
+            if end == len(req.tokens):
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                    m.ttft_seconds.observe(now - req.arrival)
+                    if req.deadline is not None:
+                        (m.ttft_slo_met if now <= req.deadline else m.ttft_slo_missed).inc()
+                self._append(req, int(results[i][0]), float(results[i][1]))
+                if req.out.finished:
+                    finished.append(req.out)
+        self.refresh_gauges()
+        return finished
+
+    def refresh_gauges(self) -> None:
+        m, pool = self.metrics, self.pool
+        kv, ad = pool.kv_pages, pool.adapter_pages
+        m.queue_length.set(len(self.waiting))
+        m.running.set(len(self.running))
+        m.resident_adapters.set(len(pool.adapters))
+        m.adapter_pages.set(ad)
+        m.kv_pages.set(kv)
+        m.free_pages.set(pool.free_pages)
+        m.adapter_page_share.set(ad / (ad + kv) if ad + kv else 0.0)
+        m.evictions.set(pool.evictions)
+
+    # -- early abort -------------------------------------------------------------------------
+
+    def _early_abort(self) -> list[RequestOutput]:
+        """Abort the queued requests whose first token, were they admitted now, would come past
+        their deadline. The next prefill step is predicted to hold the prompts of the queue's
+        head, as many as there are free seats (within the step's token budget); a prompt over
+        the budget takes several steps."""
+        o, now = self.opts, self.clock()
+        seats = max(1, min(o.max_prefill_seqs, o.max_num_seqs - len(self.running)))
+        head = sum(len(r.tokens) for r in itertools.islice(self.waiting, seats))
+        finished, keep = [], []
+        for req in self.waiting:
+            if req.deadline is not None and req.first_token_at is None:
+                steps = -(-len(req.tokens) // o.max_prefill_tokens)
+                eta = steps * self.cost.prefill_seconds(min(max(head, len(req.tokens)), o.max_prefill_tokens))
+                if now + eta > req.deadline:
+                    slo = req.deadline - req.arrival
+                    self._finish(req, "abort", f"early abort: the first token cannot come within the "
+                                 f"{slo:.3g} s objective (waited {now - req.arrival:.3g} s; prefill "
+                                 f"needs ~{eta:.3g} s)", early=True)
+                    finished.append(req.out)
+                    continue
+            keep.append(req)
+        if finished:
+            self.waiting.clear()
+            self.waiting.extend(keep)
+        return finished
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _order(self, now: float) -> list[Request]:
+        """The first LOOKAHEAD waiting requests in service order (admission looks no further)."""
+        if self.opts.admission_order == "fcfs":
+            return list(itertools.islice(self.waiting, LOOKAHEAD))  # preempted ones are in front
+        groups = collections.Counter(r.adapter_name for r in self.waiting)
+        oldest: dict = {}
+        for r in self.waiting:
+            oldest.setdefault(r.adapter_name, r.arrival)
+        resident = {name: name is None or self._resident(name) for name in groups}
+        old = now - self.opts.max_wait_s
+
+        def key(r: Request):
+            if r.resumed:
+                return (0, 0, 0, 0.0, "", r.arrival)
+            if r.arrival <= old:
+                return (1, 0, 0, 0.0, "", r.arrival)
+            n = r.adapter_name
+            return (2, not resident[n], -groups[n], oldest[n], n or "", r.arrival)  # groups stay together
+        return heapq.nsmallest(LOOKAHEAD, self.waiting, key=key)
+
+    def _resident(self, name: str) -> bool:
+        entry = self.resolve(name)
+        return entry is not None and self.pool.is_resident(entry.key)
+
+    def _urgent(self, req: Request, now: float) -> bool:
+        return req.resumed or now - req.arrival >= self.opts.max_wait_s
+
+    def _growth(self, req: Request, pages_now: int) -> int:
+        return max(0, self.kv_pages_for(req.prompt_len + req.params.max_tokens) - pages_now)
+
+    def _need(self, entry, end: int, claimed: set) -> int:
+        """Pages that admitting a request with this adapter and first chunk takes from `available`."""
+        need = self.kv_pages_for(end)
+        if entry is not None and entry.key not in claimed and \
+                (not self.pool.is_resident(entry.key) or self.pool.is_idle(entry.key)):
+            need += entry.layout.pages  # taken, or no longer evictable
+        return need
+
+    def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
+                    leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
+        """Walk the queue in service order; admit what fits this step (dry: only predict it, as
+        if the `leaving` requests had finished)."""
+        o, pool, now = self.opts, self.pool, self.clock()
+        fcfs = o.admission_order == "fcfs"
+        gone_ids = set(map(id, leaving))
+        staying = [r for r in self.running if id(r) not in gone_ids]
+        batch = {r.adapter.key for r in staying if r.adapter is not None}
+        claimed: set = set()            # dry run: adapters already counted
+        avail = pool.available() + sum(len(pool.kv.get(r.rid, ())) for r in leaving)
+        reserve = sum(self._growth(r, len(pool.kv.get(r.rid, ()))) for r in staying) \
+            if o.kv_reserve else 0
+        running = len(staying)
+        out, gone = [], []
+        for req in self._order(now):
+            if budget <= 0 or nseqs >= o.max_prefill_seqs or running >= o.max_num_seqs:
+                break
+            urgent = self._urgent(req, now)
+            name = req.adapter_name
+            entry = self.resolve(name) if name is not None else None
+            if name is not None and entry is None:
+                if not dry:
+                    self._finish(req, "abort", f"adapter {name!r} was unloaded")
+                    finished.append(req.out)
+                    gone.append(req)
+                continue
+            key = entry.key if entry is not None else None
+            if key is not None and key not in batch and len(batch) >= o.max_adapters_per_batch:
+                if urgent:
+                    break  # the batch drains until this request's adapter fits
+                continue
+            end = min(len(req.tokens), budget)
+            grow = self._growth(req, self.kv_pages_for(end)) if o.kv_reserve else 0
+            fits = self._need(entry, end, claimed) + math.ceil(o.kv_reserve * (reserve + grow)) <= avail
+            if not fits and not dry and (fcfs or urgent) and self.drop_pins():
+                avail = pool.available()
+                fits = self._need(entry, end, claimed) + math.ceil(o.kv_reserve * (reserve + grow)) <= avail
+            if not fits:
+                if fcfs or urgent:
+                    break  # nobody younger takes the pages this request waits for
+                continue
+            if dry:
+                avail -= self._need(entry, end, claimed)
+                claimed.add(key)
+            else:
+                req.adapter = entry
+                if not self.take_adapter(req):
+                    break
+                if not self.grow(req, end):
+                    self.release(req)
+                    break
+                avail = pool.available()
+            reserve += grow
+            if key is not None:
+                batch.add(key)
+            budget -= end
+            nseqs += 1
+            running += 1
+            out.append((req, entry, end))
+        if not dry and (out or gone):
+            taken = {id(r) for r, _, _ in out} | {id(r) for r in gone}
+            keep = [r for r in self.waiting if id(r) not in taken]
+            self.waiting.clear()
+            self.waiting.extend(keep)
+            for req, _, _ in out:
+                self.running.append(req)
+        return out
+
+    def _schedule_prefill(self, finished: list[RequestOutput]) -> list[tuple[Request, int, int]]:
+        budget = self.opts.max_prefill_tokens
+        chunks = []
+        stuck = False
+        # Requests part-way through a chunked prefill go first.
+        for req in self.running:
+            if req.num_computed < len(req.tokens) - 1 and budget > 0 and len(chunks) < self.opts.max_prefill_seqs:
+                end = min(len(req.tokens), req.num_computed + budget)
+                if not self.grow(req, end):
+                    stuck = True
+                    break
+                chunks.append((req, req.num_computed, end))
+                budget -= end - req.num_computed
+        if not stuck and self.waiting:
+            chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
+        return chunks
+
+    def _schedule_decode(self) -> list[Request]:
+        batch = []
+        running = set(map(id, self.running))
+        for req in list(self.running):
+            if id(req) not in running or req.num_computed != len(req.tokens) - 1:
+                continue  # preempted below to make room, or still in prefill
+            while not self.grow(req, req.num_computed + 1):
+                if self.drop_pins():
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                running.discard(id(victim))
+                if victim is req:
+                    break
+            if id(req) in running:
+                batch.append(req)
+        return batch
+
+    def _unstick(self) -> list[RequestOutput]:
+        """Nothing could be scheduled: free pages (prefetch pins, then the newest request), or
+        abort what cannot run even alone."""
+        if not self.waiting and not self.running:
+            return []
+        if self.drop_pins():
+            return []
+        if len(self.running) > 1:
+            self._preempt(self.running[-1])
+            return []
+        if self.running:
+            req = self.running[0]
+        else:
+            req = self._order(self.clock())[0]
+            self.waiting.remove(req)
+        self._finish(req, "abort", "not enough free pages for this request even with nothing else running")
+        return [req.out]
+
+    # -- pages -------------------------------------------------------------------------------
+
+    def take_adapter(self, req: Request) -> bool:
+        """Take a reference on the request's adapter, allocating (and queuing a load of) its
+        pages if it is not resident."""
+        if req.adapter is None:
+            return True
+        key = req.adapter.key
+        try:
+            pages, newly = self.pool.acquire_adapter(key, req.adapter.layout.pages)
+        except OutOfPages:
+            return False
+        req.holds_adapter = True
+        self._prefetched.pop(key, None)  # its pin passed to this request
+        if newly:
+            self._loads.append((req.adapter, pages))
+            self.metrics.prefetch_misses.inc()
+            self._prefetch_loaded.discard(key)
+        elif key in self._prefetch_loaded:
+            self._prefetch_loaded.discard(key)
+            self.metrics.prefetch_hits.inc()
+        return True
+
+    def load_failed(self, entry, why: str) -> list[RequestOutput]:
+        """An adapter's pages could not be filled: abort the requests that took it (they were
+        admitted with the load), drop a prefetch pin, and free the unfilled pages so that the
+        next request for it loads it afresh."""
+        key = entry.key
+        out = []
+        for req in [r for r in self.running if r.holds_adapter and r.adapter.key == key]:
+            self._finish(req, "abort", why)
+            out.append(req.out)
+        if key in self._prefetched:
+            self._prefetched.pop(key)
+            self.pool.unpin_adapter(key)
+        self._prefetch_loaded.discard(key)
+        if self.pool.is_resident(key) and not self.pool.refs.get(key):
+            self.pool.discard_adapter(key)
+        return out
+
+    def pop_loads(self) -> list[tuple[object, list[int]]]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    def grow(self, req: Request, n_tokens: int) -> bool:
+        need = self.kv_pages_for(n_tokens) - len(self.pool.kv.get(req.rid, ()))
+        if need <= 0:
+            return True
+        try:
+            self.pool.grow_kv(req.rid, need)
+            return True
+        except OutOfPages:
+            return False
+
+    def release(self, req: Request) -> None:
+        self.pool.free_kv(req.rid)
+        if req.holds_adapter:
+            self.pool.release_adapter(req.adapter.key)
+            req.holds_adapter = False
+
+    def _preempt(self, req: Request) -> None:
+        """Give back everything and queue the request first in line; it is recomputed later."""
+        self.running.remove(req)
+        self.release(req)
+        req.num_computed = 0
+        req.resumed = True
+        self.waiting.appendleft(req)
+        self.num_preempted += 1
+        self.metrics.requests_preempted.inc()
+
+    # -- prefetch ----------------------------------------------------------------------------
+
+    def prefetch(self, plan: Plan | None = None) -> list[tuple[object, list[int]]]:
+        """Pin the adapters of the predicted next admissions; returns the cold ones' (entry,
+        pages), which the caller fills while the current step (`plan`) runs. The prediction is
+        the admission walk, dry, as if the requests that `plan` surely finishes (max_tokens
+        reached) had left. Pins of adapters no longer predicted are dropped."""
+        if not self.opts.prefetch_adapters:
+            return []
+        leaving = [r for r, _, end in (plan.chunks if plan else ()) if end == len(r.tokens)
+                   and r.generated + 1 >= r.params.max_tokens]
+        predicted = self._admissions(self.opts.max_prefill_tokens, 0, dry=True, leaving=leaving) \
+            if self.waiting else []
+        entries = list({e.key: e for _, e, _ in predicted if e is not None}.values())
+        want = {e.key for e in entries}
+        for key in [k for k in self._prefetched if k not in want]:
+            self._unpin(key)
+        for e in entries:  # first protect the resident ones from the loads below
+            if e.key in self._prefetched:
+                self._prefetched[e.key].step = self.steps
+            elif self.pool.is_idle(e.key):
+                self.pool.pin_adapter(e.key, e.layout.pages)
+                self._prefetched[e.key] = _Prefetched(e, self.steps)
+        # Keep what the running batch's next decode step (a page each) and its reserve may take.
+        headroom = len(self.running) + math.ceil(self.opts.kv_reserve * sum(
+            self._growth(r, len(self.pool.kv.get(r.rid, ()))) for r in self.running))
+        loads = []
+        for e in entries:
+            if len(loads) >= self.opts.prefetch_adapters:
+                break
+            if self.pool.is_resident(e.key) or self.pool.is_doomed(e.key):
+                continue
+            if self.pool.available() - e.layout.pages < headroom:
+                break
+            pages, _ = self.pool.pin_adapter(e.key, e.layout.pages)
+            self._prefetched[e.key] = _Prefetched(e, self.steps)
+            self._prefetch_loaded.add(e.key)
+            loads.append((e, pages))
+            self.metrics.prefetch_issued.inc()
+        return loads
+
+    def _expire_pins(self) -> None:
+        """Drop stale pins (the adapter was re-registered or unloaded) and pins that two
+        schedules after their prefetch have not used."""
+        for key, p in list(self._prefetched.items()):
+            current = self.resolve(p.entry.name)
+            if current is None or current.key != key or self.steps > p.step + 1:
+                self._unpin(key)
+
+    def _unpin(self, key) -> None:
+        self._prefetched.pop(key)
+        self.pool.unpin_adapter(key)
+        if key in self._prefetch_loaded:
+            self.metrics.prefetch_dropped.inc()
+            if not self.pool.is_resident(key):
+                self._prefetch_loaded.discard(key)
+
+    def drop_pins(self) -> bool:
+        """Give back every prefetch pin (pages are short). True if there were any."""
+        keys = list(self._prefetched)
+        for key in keys:
+            self._unpin(key)
+        return bool(keys)
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def _append(self, req: Request, token: int, logprob: float) -> None:
+        req.tokens.append(token)
+        req.out.token_ids.append(token)
+        self.metrics.tokens_generated.inc()
+        if req.out.logprobs is not None:
+            req.out.logprobs.append(logprob)
+        if token in req.stops:
+            self._finish(req, "stop")
+        elif req.generated >= req.params.max_tokens:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str, why: str | None = None, *, early: bool = False,
+                count: bool = True) -> None:
+        req.out.finish_reason, req.out.abort_reason = reason, why
+        if req in self.running:
+            self.running.remove(req)
+            self.release(req)
+        if not count:
+            return
+        m = self.metrics
+        m.requests_finished.inc()
+        if reason == "abort":
+            m.requests_aborted.inc()
+            if early:
+                m.requests_early_aborted.inc()
+            if req.deadline is not None and req.first_token_at is None:
+                m.ttft_slo_missed.inc()
