@@ -30,7 +30,8 @@ class UnifiedPool:
         self.adapters: dict[Hashable, list[int]] = {}
         self.refs: dict[Hashable, int] = {}
         self._idle: collections.OrderedDict[Hashable, None] = collections.OrderedDict()  # LRU order
-        self._doomed: set[Hashable] = set()  # stale versions: freed as soon as idle
+        self._doomed: set[Hashable] = set()  # retired (replaced/unloaded) versions, forever: never
+        # handed out again; their pages go as soon as they are idle
         self.pins: dict[Hashable, int] = {}  # prefetch pins: references no request holds yet
         self.evictions = 0
 
@@ -75,7 +76,6 @@ class UnifiedPool:
         self.refs.pop(key, None)
         self.pins.pop(key, None)
         self._idle.pop(key, None)
-        self._doomed.discard(key)
 
     # -- KV cache ----------------------------------------------------------------------------
 
@@ -144,13 +144,11 @@ class UnifiedPool:
             del self.pins[key]
 
     def drop_adapter(self, key: Hashable) -> None:
-        """Free a replaced/unloaded adapter's pages now if idle, else once its last user finishes."""
-        if key not in self.adapters:
-            return
-        if self.refs.get(key, 0) == 0:
+        """Retire a replaced/unloaded adapter version: it is never acquired again, and its pages
+        are freed now if idle, else once its last user finishes."""
+        self._doomed.add(key)
+        if key in self.adapters and self.refs.get(key, 0) == 0:
             self._release_pages(key)
-        else:
-            self._doomed.add(key)
 
     def discard_adapter(self, key: Hashable) -> None:
         """Free an idle adapter's pages now without retiring the key (its load failed, so the

@@ -366,18 +366,12 @@ def _failed_load(paths):
     return engine
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py step/_write_adapters: the pool already counts the "
-                   "adapter as resident when store.rows() raises; its pages are never written, and the "
-                   "next request for it (once the file is back) is served from unfilled pages")
 def test_failed_adapter_load_is_retried_not_served_unfilled(paths, ref):
     engine = _failed_load(paths)
     out = engine.generate([W_PROMPTS[0]], SP, adapter="a")
     assert_same(out, [ref["old"][0]])
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py step: when paging in a request's adapter raises, the "
-                   "request stays running (holding KV and adapter pages) after LLM.generate has raised; "
-                   "it runs on, unseen, in the next generate call")
 def test_failed_adapter_load_leaves_nothing_behind(paths):
     engine = _failed_load(paths)
     assert not engine.engine.has_unfinished()

@@ -403,9 +403,6 @@ def test_drop_in_use_frees_after_last_release():
     pool.check()
 
 
-@pytest.mark.xfail(strict=True, reason="pool.py forgets a dropped key once its pages are freed "
-                   "(_release_pages discards it from _doomed; drop_adapter of a non-resident key is a "
-                   "no-op), so acquire_adapter hands the stale version out again with fresh pages")
 def test_dropped_key_is_never_acquired_again():
     pool = UnifiedPool(1 + 8)
     pool.acquire_adapter(("n", 1), 3)
