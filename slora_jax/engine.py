@@ -48,8 +48,22 @@ class EngineOptions(SchedulerOptions):
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         for name in ("lora_backend", "attention_backend"):
-            if getattr(self, name) not in ("xla",):
-                raise ValueError(f"{name}={getattr(self, name)!r}: only 'xla' is available yet")
+            value = getattr(self, name)
+            if value == "triton":
+                raise ValueError(f"{name}='triton' is not available yet (no Triton kernels); "
+                                 "use 'pallas' or 'xla'")
+            if value not in ("xla", "pallas"):
+                raise ValueError(f"{name} must be 'xla' or 'pallas', got {value!r}")
+
+
+def _group_by_adapter(chunks: list) -> None:
+    """Order a step's sequences so each adapter's tokens are contiguous and base-model tokens
+    come last: the segment form the LoRA kernels read each adapter once for (stable otherwise)."""
+    first: dict = {}
+    for req, _, _ in chunks:
+        if req.adapter is not None:
+            first.setdefault(req.adapter.key, len(first))
+    chunks.sort(key=lambda c: first[c[0].adapter.key] if c[0].adapter is not None else len(first))
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -167,6 +181,7 @@ class Engine:
         if not plan.chunks:
             self.sched.refresh_gauges()
             return plan.finished
+        _group_by_adapter(plan.chunks)
         inp, _ = self._inputs(plan)
         shape = (plan.kind, jax.tree_util.tree_structure(inp),
                  tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
@@ -226,6 +241,12 @@ class Engine:
         for i, r in enumerate(token_reqs):
             if r is not None and r.adapter is not None:
                 token_slot[i] = slot[r.adapter.key]
+        # Tokens are grouped by slot (see _group_by_adapter): slot s owns [seg[s], seg[s+1]).
+        live = token_slot[token_slot >= 0]
+        if np.any(np.diff(live) < 0) or (len(live) and token_slot[:len(live)].min() < 0):
+            raise AssertionError("LoRA tokens are not grouped by adapter; call _group_by_adapter")
+        counts = np.bincount(live, minlength=sa)
+        seg_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         rank = self.opts.max_lora_rank
         width = self.cfg.kv_size
         rows, ranks = {}, {}
@@ -245,7 +266,8 @@ class Engine:
                 b[i, :m.b_rows] = all_rows[m.b_row:m.b_row + m.b_rows]
                 rk[i] = m.rank
             rows[module], ranks[module] = (a, b), rk
-        return paged.LoraInputs(token_slot=token_slot, rows=rows, ranks=ranks, max_rank=rank)
+        return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
+                                max_rank=rank, backend=self.opts.lora_backend)
 
     def _prefill_inputs(self, chunks):
         total = sum(end - start for _, start, end in chunks)
@@ -277,6 +299,7 @@ class Engine:
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot, token_seq=token_seq,
                                page_table=self._page_table(reqs, s), ctx_lens=ctx_lens, sample_idx=sample_idx,
                                lora=self._lora_inputs(token_reqs, t), decode=False,
+                               attention_backend=self.opts.attention_backend,
                                **self._sampling_arrays(reqs, s))
         return inp, samplers
 
@@ -295,6 +318,7 @@ class Engine:
                                token_seq=np.arange(s, dtype=np.int32), page_table=self._page_table(batch, s),
                                ctx_lens=ctx_lens, sample_idx=np.arange(s, dtype=np.int32),
                                lora=self._lora_inputs(batch + [None] * (s - len(batch)), s), decode=True,
+                               attention_backend=self.opts.attention_backend,
                                **self._sampling_arrays(batch, s))
         return inp, set(range(len(batch)))
 
@@ -303,8 +327,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("prompt_logits needs an idle engine")
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for p, a in zip(prompts, adapters):
-            self.add_request(p, params, a, 0, ())
+        rids = [self.add_request(p, params, a, 0, ()).request_id for p, a in zip(prompts, adapters)]
         for req in self.waiting:
             req.deadline = None  # no early abort here
         self.sched.drop_pins()
@@ -317,18 +340,19 @@ class Engine:
             self._write_adapters(plan.loads)
             if plan.kind != "prefill" or len(plan.chunks) != len(prompts):
                 raise ValueError("prompts do not fit in the pool together")
+            _group_by_adapter(plan.chunks)
             inp, _ = self._prefill_inputs(plan.chunks)
             self.kv, logits = paged.step_all_logits(self.params, self.kv, inp, cfg=self.cfg)
             logits = np.asarray(logits)
+            at, where = 0, {}  # the scheduler may order the chunks differently from the prompts
+            for req, start, end in plan.chunks:
+                where[req.rid] = logits[at:at + end - start]
+                at += end - start
         finally:
             o.max_prefill_tokens, o.max_prefill_seqs, o.max_num_seqs, o.max_adapters_per_batch = saved
             for req in list(self.running) + list(self.waiting):
                 self.sched.abort(req.rid, "prompt_logits done", count=False)
-        out, at = [], 0
-        for p in prompts:
-            out.append(logits[at:at + len(p)])
-            at += len(p)
-        return out
+        return [where[rid] for rid in rids]
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.lora import lora_delta
+from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
 from slora_jax.sampling import sample
@@ -28,12 +30,16 @@ class LoraInputs:
 
     rows[module] = (A rows [Sa, RA], B rows [Sa, RB]): row indices into a layer's row view of the
     pool, RA = ceil(R * in / W); ranks[module] [Sa] (0: the adapter does not target the module).
-    token_slot [T]: the slot of each token's adapter, -1 for base-model tokens.
+    token_slot [T]: the slot of each token's adapter, -1 for base-model tokens; tokens are grouped
+    by slot, so seg_starts [Sa+1] gives slot s the tokens [seg_starts[s], seg_starts[s+1]).
+    backend: "xla" (one-hot over slots) or "pallas" (pallas_kernels.lora, segment form).
     """
     token_slot: jax.Array
+    seg_starts: jax.Array
     rows: dict
     ranks: dict
     max_rank: int = flax.struct.field(pytree_node=False)
+    backend: str = flax.struct.field(pytree_node=False, default="xla")
 
 
 @flax.struct.dataclass
@@ -52,6 +58,7 @@ class StepInputs:
     steps: jax.Array        # [S] tokens generated so far (folds into the row's PRNG key)
     lora: LoraInputs | None
     decode: bool = flax.struct.field(pytree_node=False)  # one token per sequence, token i is seq i
+    attention_backend: str = flax.struct.field(pytree_node=False, default="xla")
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
@@ -135,7 +142,10 @@ def paged_attend(inp: StepInputs):
     """Attention reads the pool; each layer's new K/V is returned and written by `commit_kv`."""
     def attend(layer, q, k, v, state):
         pool, pending = state
-        o = paged_attention_xla(q, k, v, pool[layer], inp)
+        if inp.decode and inp.attention_backend == "pallas":
+            o = paged_decode_attention(q, k, v, pool[layer], inp.page_table, inp.ctx_lens)
+        else:  # prefill has no kernel yet: xla
+            o = paged_attention_xla(q, k, v, pool[layer], inp)
         return o, (pool, pending + ((k, v),))
     return attend
 
@@ -172,6 +182,10 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             return None
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
+        if lora.backend == "pallas":
+            pl = pool[layer]
+            return lora_delta(x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows, lora.ranks[module],
+                              lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout, backend="pallas")
         return lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
                         lora.max_rank, fin, fout)
     return delta
