@@ -18,32 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+REPO = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
+    sys.path[0] = str(REPO)  # run as a script: bench/trace.py must not shadow the stdlib's trace
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.provenance import git_commit  # noqa: E402
 from slora_jax import LLM, SamplingParams, paged
 from slora_jax.adapters import random_peft_adapter
 from slora_jax.engine import Request
 from slora_jax.request import RequestOutput
-
-
-def git_commit() -> str:
-    if os.environ.get("SLORA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["SLORA_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent).strip()
-    except Exception:
-        return "unknown"
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:

@@ -38,10 +38,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +53,7 @@ elif str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from bench.provenance import git_commit  # noqa: E402
 from bench.trace import FixedBatch, Trace, Workload, generate, load_workload, prompt_tokens  # noqa: E402
 
 MODES = ("unified", "base", "padded", "separate")
@@ -90,16 +89,6 @@ class Record:
 
 
 # -- environment ---------------------------------------------------------------------------------
-
-
-def git_commit() -> str:
-    if os.environ.get("SLORA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["SLORA_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=REPO,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def header(argv: list[str]) -> dict:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 import tomllib
@@ -37,6 +35,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench" / "baselines":
 elif str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.provenance import git_commit  # noqa: E402
 from bench.trace import FixedBatch  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -50,16 +49,6 @@ def model_shape(name: str) -> dict:
     d = tomllib.loads((REPO / "configs" / "models" / "base.toml").read_text())
     d.update(tomllib.loads((REPO / "configs" / "models" / f"{name}.toml").read_text()))
     return {k: v for k, v in d.items() if k in HF_FIELDS}
-
-
-def git_commit() -> str:
-    if os.environ.get("SLORA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["SLORA_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=REPO,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 class Bench:
