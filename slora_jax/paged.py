@@ -232,7 +232,3 @@ def step_all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
 
 def rows_needed(rank: int, features: int, width: int) -> int:
     return -(-rank * features // width)
-
-
-def np_ceil_pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, int(np.ceil(np.log2(max(n, 1))))))

@@ -48,12 +48,10 @@ import logging
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -67,7 +67,7 @@ def as_dtype(dtype) -> np.dtype:
 
 def hf_names(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
     """HF tensor name -> (path into the params pytree, expected shape), in checkpoint order."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, v = cfg.hidden_size, cfg.vocab_size
     proj = {name: cfg.module_shape(name)[::-1] for name in ATTN_MODULES + MLP_MODULES}  # [out, in]
     names: dict[str, tuple[TreePath, tuple[int, ...]]] = {
         "model.embed_tokens.weight": (("embed_tokens",), (v, h))}

@@ -10,7 +10,7 @@ never evicted, and stale (dropped) versions are never handed out again.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, assume, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
