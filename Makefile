@@ -39,5 +39,8 @@ serve: $(VENV)/.stamp
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python bench/engine_bench.py --model tiny --quick
 
+lint: $(VENV)/.stamp
+	$(VENV)/bin/python -m pyflakes slora_jax pallas_kernels triton_kernels bench tests
+
 clean:
 	rm -rf $(VENV) $(ORACLE)

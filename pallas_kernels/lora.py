@@ -41,7 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import fuser as _fuser  # noqa: F401 (see below)
+import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 from jax.experimental.pallas import triton as plgpu
 
 # `_fuser`: interpreting a pallas_call imports the fuser lazily, which adds a config to JAX's trace

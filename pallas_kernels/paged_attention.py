@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import fuser as _fuser  # noqa: F401 (see pallas_kernels/lora.py)
+import jax.experimental.pallas.fuser  # noqa: F401 (see pallas_kernels/lora.py)
 from jax.experimental.pallas import triton as plgpu
 
 # Block sizes by the pool's item size. Not yet tuned on a GPU. block_tokens: tokens per K/V tile (a
