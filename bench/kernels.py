@@ -1,0 +1,588 @@
+"""Kernel benchmark (issue 4): LoRA shrink+expand and paged decode attention, side by side.
+
+    python bench/kernels.py --out bench/results/kernels-h200.json          # on the GPU (~4 min)
+    JAX_PLATFORMS=cpu python bench/kernels.py --quick --out /tmp/k.json     # smoke test, CPU
+
+LoRA delta (shrink x@A, then expand @B) for decode batches of T tokens over n distinct adapters,
+T/n tokens each, grouped by adapter as the engine groups them; slot s has rank RANKS[s % len(RANKS)]
+(mixed ranks); max rank 64 (the engine's bucket). Module shapes of llama-7b: q/k/v/o (H->H), gate/up
+(H->I), down (I->H); pool width W = kv_size. Variants, timed in one run on the same inputs:
+
+  pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels
+  xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
+  one-hot  slora_jax.paged.lora_xla: the engine's xla path, every adapter padded to max rank and a
+           one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
+  padded   vLLM-style slots: dense per-slot A [n, in, 64] and B [n, 64, out], zero past each rank,
+           gathered per token (A[slot] -> bmm), in jnp
+  triton   triton_kernels via jax-triton: not written yet, reported as n/a (null in the JSON)
+
+Inputs: one pool of rows [N, W] per module shape (bf16, random normal, larger than L2); each adapter
+is a set of rows at random positions of it (the A^T and B rows the engine's layout puts there); the
+index entries past an adapter's rows point at random rows. A case times K input sets in rotation
+(different x and different adapters, K*set bytes >= ~128 MB where that takes at most 12 sets), the K
+calls unrolled in one jit so Python dispatch does not count; time = median over `--iters` timed
+iterations of (wall time of `reps` back-to-back calls, block_until_ready) / (reps * K).
+
+Bytes that must move, per call: x read once; each distinct adapter's real-rank A [r, in] and B [r,
+out] read once; y (float32 [T, out]) written once and read once by expand. Achieved bandwidth =
+bytes / time, reported as a fraction of the copy bandwidth (bench/engine_bench.copy_bandwidth: an
+elementwise a*1.0001 over 2 GiB, read + write). Every variant's output is checked against the xla
+reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2); the error is in the
+JSON, and a "!" marks a failed check in the table.
+
+Paged decode attention: B = 64 sequences of 1024 context tokens each in a pool [pages, 2, ps, W],
+pages in random order, page sizes 16 and 1; GQA (llama-3-8b per layer: 32 q heads, 8 kv heads,
+d 128) and MHA (llama-7b: 32/32); the Pallas kernel against paged_decode_attention_reference.
+Bytes = the valid KV (B*ctx*2*W*2) + q + out.
+
+The table comes last (the device call returns only the tail of the output); the JSON has everything,
+with commit, device and command. Issue 4's targets are printed PASS / FAIL / n.a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
+    sys.path[0] = str(REPO)  # run as a script: bench/trace.py must not shadow the stdlib's trace
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.engine_bench import copy_bandwidth  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
+from pallas_kernels import lora as lora_kernels  # noqa: E402
+from pallas_kernels.lora import lora_delta  # noqa: E402
+from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
+                                            paged_decode_attention_reference)
+from slora_jax.paged import lora_xla  # noqa: E402
+
+L2_BYTES = 50 << 20          # H200 L2
+ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
+MAX_SETS = 12
+TOL = 2e-2                   # max |variant - xla reference| / max |reference|, bf16
+VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton")
+LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded",
+          "triton": "triton"}
+TARGETS = {"lora_bw": 0.60, "vs_padded": 2.0, "attn_bw": 0.70}
+
+FULL = dict(hidden=4096, width=4096, inter=11008, tokens=(64, 256), adapters=(1, 8, 32, 64),
+            ranks=(8, 16, 32, 64), max_rank=64, per_class=64, min_pool_rows=32768, iters=20,
+            warmup=2, iter_s=2e-3, attn_batch=64, attn_context=1024, page_sizes=(16, 1),
+            attn_models=(("llama-3-8b", 32, 8, 128), ("llama-7b", 32, 32, 128)),
+            target_tokens=64, target_adapters=32, budget_s=230.0, copy_bytes=2 << 30, copy_iters=20)
+QUICK = dict(hidden=64, width=32, inter=160, tokens=(8,), adapters=(1, 2), ranks=(4, 8),
+             max_rank=8, per_class=4, min_pool_rows=1024, iters=2, warmup=1, iter_s=0.0,
+             attn_batch=4, attn_context=32, page_sizes=(4, 1),
+             attn_models=(("gqa-toy", 4, 2, 16), ("mha-toy", 4, 4, 16)),
+             target_tokens=8, target_adapters=2, budget_s=0.0, copy_bytes=64 << 20, copy_iters=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and checking.
+
+
+def _err(msg: BaseException) -> str:
+    text = f"{type(msg).__name__}: {msg}"
+    return text if len(text) < 600 else text[:600] + " ..."
+
+
+def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float):
+    """Compile fn over all K sets (one jit, K calls unrolled), run it once for the outputs, then
+    time it. Returns (result dict, outputs [K])."""
+    many = jax.jit(lambda sh, ss: [fn(sh, s) for s in ss])
+    t0 = time.perf_counter()
+    outs = jax.block_until_ready(many(shared, sets))
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(many(shared, sets))
+    t0 = time.perf_counter()
+    jax.block_until_ready(many(shared, sets))
+    one = time.perf_counter() - t0
+    reps = max(1, min(64, int(iter_s / max(one, 1e-9))))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            res = many(shared, sets)
+        jax.block_until_ready(res)
+        ts.append((time.perf_counter() - t0) / (reps * len(sets)))
+    del res
+    return {"us": float(np.median(ts)) * 1e6, "us_min": float(np.min(ts)) * 1e6, "reps": reps,
+            "sets": len(sets), "iters": iters, "compile_and_first_s": compile_s}, outs
+
+
+@jax.jit
+def _rel_err(got, want):
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30)
+
+
+def rel_err(outs, refs) -> float:
+    return max(float(_rel_err(o, r)) for o, r in zip(outs, refs))
+
+
+def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: float,
+            opts) -> dict:
+    """Time every variant (the reference first); check each against the reference's outputs."""
+    results, refs = {}, None
+    for name in [ref_name] + [v for v in variants if v != ref_name]:
+        fn = variants[name]
+        if fn is None:
+            results[name] = None
+            continue
+        try:
+            res, outs = run_variant(fn, shared_of(name), sets_of(name), iters=opts["iters"],
+                                    warmup=opts["warmup"], iter_s=opts["iter_s"])
+            if name == ref_name:
+                refs, res["rel_err"] = outs, 0.0
+            else:
+                res["rel_err"] = rel_err(outs, refs) if refs is not None else None
+                del outs
+            res["ok"] = res["rel_err"] is not None and res["rel_err"] < TOL
+            res["GBps"] = bytes_ / (res["us"] * 1e-6) / 1e9
+            res["frac_copy"] = bytes_ / (res["us"] * 1e-6) / bw
+        except Exception as e:  # noqa: BLE001: one variant failing must not lose the others
+            traceback.print_exc(limit=3)
+            res = {"error": _err(e), "ok": False}
+        results[name] = res
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA: the pool, the adapters in it, the input sets.
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class LoraPool:
+    """One module shape: a pool of rows [N, W] and a universe of adapters in it. Adapter m has rank
+    ranks[m % C]; its A^T rows and B rows sit at random pool rows; index entries past them point at
+    random rows (the kernels must not read them)."""
+
+    def __init__(self, name, fin, fout, o, seed):
+        self.name, self.fin, self.fout = name, fin, fout
+        width, rmax, cyc = o["width"], o["max_rank"], o["ranks"]
+        self.width, self.max_rank, self.cycle = width, rmax, cyc
+        rng = np.random.default_rng(seed)
+        m_count = o["per_class"] * len(cyc)
+        self.ranks = np.array([cyc[m % len(cyc)] for m in range(m_count)], np.int32)
+        a_used = -(-self.ranks * fin // width)
+        b_used = -(-self.ranks * fout // width)
+        need = int(a_used.sum() + b_used.sum())
+        n_rows = max(o["min_pool_rows"], _next_pow2(int(need * 1.25)))
+        perm = rng.permutation(n_rows)
+        ra, rb = -(-rmax * fin // width), -(-rmax * fout // width)
+        self.a_idx = rng.integers(0, n_rows, (m_count, ra)).astype(np.int32)
+        self.b_idx = rng.integers(0, n_rows, (m_count, rb)).astype(np.int32)
+        pos = 0
+        for m in range(m_count):
+            self.a_idx[m, :a_used[m]] = perm[pos:pos + a_used[m]]
+            pos += a_used[m]
+            self.b_idx[m, :b_used[m]] = perm[pos:pos + b_used[m]]
+            pos += b_used[m]
+        self.rows = jax.random.normal(jax.random.PRNGKey(seed), (n_rows, width), jnp.bfloat16)
+        self.n_rows, self.per_class = n_rows, o["per_class"]
+
+    def bytes(self, t: int, n: int) -> dict:
+        ranks = [self.cycle[s % len(self.cycle)] for s in range(n)]
+        b = {"x": t * self.fin * 2, "adapters": sum(r * (self.fin + self.fout) * 2 for r in ranks),
+             "y": 2 * t * self.fout * 4}
+        b["total"] = sum(b.values())
+        return b
+
+    def sets(self, t: int, n: int, k_sets: int, seed: int) -> list[dict]:
+        """K input sets; set k's slot s is adapter j*C + s%C, j cycling through the universe so the
+        sets touch different adapters until it wraps."""
+        c = len(self.cycle)
+        per = -(-n // c)
+        out = []
+        for k in range(k_sets):
+            m = np.array([((k * per + s // c) % self.per_class) * c + s % c for s in range(n)])
+            out.append({
+                "x": jax.random.normal(jax.random.PRNGKey(seed * 1000 + k), (t, self.fin),
+                                       jnp.bfloat16),
+                "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
+                "ranks": jnp.asarray(self.ranks[m]),
+                "seg": jnp.asarray(np.arange(n + 1, dtype=np.int32) * (t // n)),
+                "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
+            })
+        return out
+
+
+def _dense_slots(rows, a_rows, b_rows, ranks, *, max_rank, fin, fout):
+    """vLLM-style slot stacks from the pool: A [n, in, R] and B [n, R, out], zero past each rank."""
+    n = a_rows.shape[0]
+    live = (jnp.arange(max_rank)[None, :] < ranks[:, None])[:, :, None]
+    a = rows[a_rows].reshape(n, -1)[:, :max_rank * fin].reshape(n, max_rank, fin)
+    b = rows[b_rows].reshape(n, -1)[:, :max_rank * fout].reshape(n, max_rank, fout)
+    return jnp.where(live, a, 0).transpose(0, 2, 1), jnp.where(live, b, 0)
+
+
+dense_slots = jax.jit(_dense_slots, static_argnames=("max_rank", "fin", "fout"))
+
+
+def padded_bmm(x, a, b, tok):
+    """Padded max-rank batched matmul: each token gathers its slot's dense A and B (vLLM slots)."""
+    xa = jnp.einsum("ti,tir->tr", x, a[tok], preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("tr,tro->to", xa, b[tok], preferred_element_type=jnp.float32)
+
+
+def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) -> dict:
+    fin, fout, rmax = pool.fin, pool.fout, pool.max_rank
+    by = pool.bytes(t, n)
+    set_bytes = by["x"] + by["adapters"] + by["y"] // 2
+    k_sets = 2 if opts["quick"] else max(2, min(MAX_SETS, -(-ROTATE_BYTES // set_bytes)))
+    sets = pool.sets(t, n, k_sets, seed)
+    interp = opts["interpret"]
+    kw = dict(max_rank=rmax, fin=fin, fout=fout)
+
+    def args(s):
+        return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
+
+    def pallas(rows, s):
+        x, a, b, r, seg = args(s)
+        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, **kw)
+
+    def xla_ref(rows, s):
+        x, a, b, r, seg = args(s)
+        return lora_delta(x, rows, a, b, r, seg, backend="xla", **kw)
+
+    def onehot(rows, s):
+        return lora_xla(s["x"], rows, s["a_rows"], s["b_rows"], s["ranks"], s["tok"], rmax, fin,
+                        fout)
+
+    def padded(_, s):
+        return padded_bmm(s["x"], s["A"], s["B"], s["tok"])
+
+    padded_sets = []
+
+    def sets_of(name):
+        if name != "padded":
+            return sets
+        if not padded_sets:  # built on first use, untimed (vLLM keeps its slot stacks resident)
+            for s in sets:
+                a, b = dense_slots(pool.rows, s["a_rows"], s["b_rows"], s["ranks"], **kw)
+                padded_sets.append({"x": s["x"], "A": a, "B": b, "tok": s["tok"]})
+        return padded_sets
+
+    variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
+                "triton": None}  # triton: not written yet (triton_kernels/ is empty)
+    res = measure(variants, "xla_ref", lambda name: None if name == "padded" else pool.rows,
+                  sets_of, by["total"], bw, opts)
+    padded_sets.clear()
+    ranks = [pool.cycle[s % len(pool.cycle)] for s in range(n)]
+    out = {"module": pool.name, "fin": fin, "fout": fout, "tokens": t, "adapters": n,
+           "ranks": sorted(set(ranks)), "mixed_ranks": len(set(ranks)) > 1, "max_rank": rmax,
+           "width": pool.width, "pool_rows": pool.n_rows, "bytes": by, "sets": k_sets,
+           "set_bytes": set_bytes, "sets_exceed_l2": k_sets * set_bytes > L2_BYTES,
+           "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, 256),
+                                lora_kernels._col_tile(pool.width, fout, 128)) >= 16,
+           "variants": {v: res[v] for v in VARIANTS}}
+    p = res["pallas"]
+    out["speedup"] = {other: (res[other]["us"] / p["us"]
+                              if p and "us" in p and res[other] and "us" in res[other] else None)
+                      for other in ("padded", "onehot", "xla_ref")}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention.
+
+
+def bench_attention_case(model: str, nh: int, kvh: int, d: int, ps: int, bw: float, opts,
+                         seed: int) -> dict:
+    bsz, ctx = opts["attn_batch"], opts["attn_context"]
+    width = kvh * d
+    rng = np.random.default_rng(seed)
+    per_seq = -(-ctx // ps)
+    used = bsz * per_seq
+    total = int(used * 1.25) + 1  # page 0 is the null page; the rest in random order
+    page_table = rng.permutation(np.arange(1, total))[:used].reshape(bsz, per_seq).astype(np.int32)
+    pool = jax.random.normal(jax.random.PRNGKey(seed), (total, 2, ps, width), jnp.bfloat16)
+    shared = (pool, jnp.asarray(page_table), jnp.full((bsz,), ctx, jnp.int32))
+    sets = []
+    for k in range(2):
+        kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed * 100 + k), 3)
+        sets.append((jax.random.normal(kq, (bsz, nh, d), jnp.bfloat16),
+                     jax.random.normal(kk, (bsz, kvh, d), jnp.bfloat16),
+                     jax.random.normal(kv, (bsz, kvh, d), jnp.bfloat16)))
+    interp = opts["interpret"]
+
+    def pallas(sh, s):
+        return paged_decode_attention(*s, *sh, interpret=interp)
+
+    def reference(sh, s):
+        return paged_decode_attention_reference(*s, *sh)
+
+    by = {"kv": bsz * ctx * 2 * width * 2, "q": bsz * nh * d * 2, "out": bsz * nh * d * 2}
+    by["total"] = sum(by.values())
+    res = measure({"reference": reference, "pallas": pallas}, "reference", lambda _: shared,
+                  lambda _: sets, by["total"], bw, opts)
+    p, r = res["pallas"], res["reference"]
+    return {"model": model, "q_heads": nh, "kv_heads": kvh, "head_dim": d, "width": width,
+            "page_size": ps, "batch": bsz, "context": ctx, "pool_pages": total, "bytes": by,
+            "pallas_kernel": d >= MIN_DOT and d & (d - 1) == 0,
+            "variants": res,
+            "speedup": (r["us"] / p["us"] if p and "us" in p and r and "us" in r else None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and the table.
+
+
+def _frac(v):
+    return v["frac_copy"] if v and "frac_copy" in v else None
+
+
+def targets(result: dict, o) -> list[dict]:
+    gpu = result["platform"] == "gpu"
+    out = []
+
+    def verdict(ok):
+        if ok is None:
+            return "n.a."
+        word = "PASS" if ok else "FAIL"
+        return word if gpu else f"n.a. (not a GPU run; would be {word})"
+
+    tt, ta = o["target_tokens"], o["target_adapters"]
+    cases = [c for c in result["lora"] if c["tokens"] == tt and c["adapters"] == ta]
+    parts = [(c["module"], _frac(c["variants"]["pallas"])) for c in cases]
+    vals = [f for _, f in parts if f is not None]
+    ok = (len(vals) == len(parts) and all(f >= TARGETS["lora_bw"] for f in vals)) if parts else None
+    out.append({"name": f"shrink+expand >= {TARGETS['lora_bw']:.0%} of copy bandwidth at "
+                        f"{tt} tokens x {ta} adapters",
+                "threshold": TARGETS["lora_bw"], "values": dict(parts), "verdict": verdict(ok)})
+
+    mixed = [c for c in result["lora"] if c["mixed_ranks"]]
+    sp = [(c, c["speedup"]["padded"]) for c in mixed]
+    vals = [s for _, s in sp if s is not None]
+    worst = min(sp, key=lambda cs: cs[1] if cs[1] is not None else -1) if sp else None
+    ok = (len(vals) == len(sp) and min(vals) >= TARGETS["vs_padded"]) if sp else None
+    out.append({"name": f"pallas >= {TARGETS['vs_padded']:g}x faster than padded max-rank "
+                        "(every mixed-rank case)",
+                "threshold": TARGETS["vs_padded"],
+                "min": min(vals) if vals else None,
+                "geomean": float(np.exp(np.mean(np.log(vals)))) if vals else None,
+                "worst_case": (f"{worst[0]['module']} T={worst[0]['tokens']} "
+                               f"n={worst[0]['adapters']}" if worst else None),
+                "cases": len(sp), "measured": len(vals), "verdict": verdict(ok)})
+
+    bsz, ctx = o["attn_batch"], o["attn_context"]
+    parts = [(f"{c['model']} ps={c['page_size']}", _frac(c["variants"]["pallas"]))
+             for c in result["attention"]]
+    vals = [f for _, f in parts if f is not None]
+    ok = (len(vals) == len(parts) and all(f >= TARGETS["attn_bw"] for f in vals)) if parts else None
+    out.append({"name": f"paged decode attention >= {TARGETS['attn_bw']:.0%} of copy bandwidth at "
+                        f"batch {bsz} x context {ctx}",
+                "threshold": TARGETS["attn_bw"], "values": dict(parts), "verdict": verdict(ok)})
+    return out
+
+
+def _cell(v, width=15) -> str:
+    if v is None:
+        return f"{'n/a':>{width}}"
+    if "error" in v:
+        return f"{'ERROR':>{width}}"
+    mark = "" if v["ok"] else "!"
+    return f"{v['us']:8.1f} {v['frac_copy'] * 100:4.0f}%{mark:1}".rjust(width)
+
+
+def _pct(f):
+    return "  -" if f is None else f"{f * 100:.0f}%"
+
+
+def _x(s):
+    return "   -" if s is None else f"x{s:.1f}"
+
+
+def table(result: dict) -> str:
+    lines = []
+    bw = result["copy_bandwidth_GBps"]
+    lines.append(f"== bench/kernels.py {result['mode']}  {result['device']}  commit "
+                 f"{result['commit'][:10]}  copy bandwidth {bw:.0f} GB/s (read+write)  "
+                 f"{result['elapsed_s']:.0f} s ==")
+    if result["lora"]:
+        c0 = result["lora"][0]
+        lines.append(f"LoRA delta = shrink+expand, bf16, W={c0['width']}, max rank "
+                     f"{c0['max_rank']}, ranks cycle {result['config']['ranks']}. Cell: median us "
+                     "per call, bytes/time as % of copy bw (! = wrong vs xla-ref)")
+        head = (f"{'module':<8}{'T':>4}{'n':>4}{'MB':>7} |" +
+                "|".join(f"{LABELS[v]:>15}" for v in VARIANTS[:4]) +
+                f"| {'triton':<17} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} | {'max err':>7}")
+        lines.append(head)
+        lines.append("-" * len(head))
+        if not all(c["sets_exceed_l2"] for c in result["lora"]):
+            lines.insert(-2, "MB* = the rotated input sets fit in L2 together: that case may read "
+                             "partly from L2")
+        for c in result["lora"]:
+            v = c["variants"]
+            errs = [x["rel_err"] for x in v.values() if x and x.get("rel_err") is not None]
+            p = v["pallas"]
+            gbps = f"{p['GBps']:5.0f}" if p and "GBps" in p else "    -"
+            lines.append(
+                f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
+                f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
+                "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
+                f"| {'n/a (not written)':<17} | {gbps} {_x(c['speedup']['padded']):>6} "
+                f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
+        if result.get("lora_skipped"):
+            lines.append(f"skipped (time budget): {', '.join(result['lora_skipped'])}")
+        errors = [(c, k, x["error"]) for c in result["lora"] for k, x in c["variants"].items()
+                  if x and "error" in x]
+        for c, k, e in errors[:6]:
+            lines.append(f"  ERROR {c['module']} T={c['tokens']} n={c['adapters']} {k}: {e[:200]}")
+    if result["attention"]:
+        a0 = result["attention"][0]
+        lines.append(f"Paged decode attention, bf16, batch {a0['batch']} x context {a0['context']} "
+                     "(pages in random order). Cell: median us, % of copy bw")
+        head = (f"{'model':<12}{'heads':>7}{'W':>6}{'ps':>4}{'MB':>8} |{'pallas':>15}|"
+                f"{'reference':>15}| {'GB/s':>5} {'speedup':>7} | {'err':>7}")
+        lines.append(head)
+        lines.append("-" * len(head))
+        for c in result["attention"]:
+            v = c["variants"]
+            p = v["pallas"]
+            gbps = f"{p['GBps']:5.0f}" if p and "GBps" in p else "    -"
+            err = p.get("rel_err") if p else None
+            lines.append(f"{c['model']:<12}{c['q_heads']:>4}/{c['kv_heads']:<2}{c['width']:>6}"
+                         f"{c['page_size']:>4}{c['bytes']['total'] / 1e6:>8.1f} |"
+                         f"{_cell(v['pallas'])}|{_cell(v['reference'])}| {gbps} "
+                         f"{_x(c['speedup']):>7} | {err if err is not None else float('nan'):7.1e}")
+        for c in result["attention"]:
+            for k, x in c["variants"].items():
+                if x and "error" in x:
+                    lines.append(f"  ERROR {c['model']} ps={c['page_size']} {k}: "
+                                 f"{x['error'][:200]}")
+        if result.get("attention_skipped"):
+            lines.append(f"skipped (time budget): {', '.join(result['attention_skipped'])}")
+    lines.append("Targets (issue 4):")
+    for t in result["targets"]:
+        if "values" in t:
+            detail = ", ".join(f"{k} {_pct(f)}" for k, f in t["values"].items()) or "no case"
+        else:
+            detail = (f"min {_x(t['min'])} ({t['worst_case']}), geomean {_x(t['geomean'])}, "
+                      f"{t['measured']}/{t['cases']} cases measured")
+        lines.append(f"  {t['verdict']:<6} {t['name']}: {detail}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _ints(text: str | None, default):
+    return tuple(int(v) for v in text.split(",")) if text else default
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shapes, interpret mode: CPU smoke run")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--tokens", default=None, help="comma list (default 64,256)")
+    ap.add_argument("--adapters", default=None, help="comma list (default 1,8,32,64)")
+    ap.add_argument("--modules", default="qkvo,gate_up,down",
+                    help="comma list of qkvo,gate_up,down")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (median)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new case after this many seconds (0: no limit)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: attention,lora")
+    args = ap.parse_args()
+    o = dict(QUICK if args.quick else FULL)
+    o["tokens"] = _ints(args.tokens, o["tokens"])
+    o["adapters"] = _ints(args.adapters, o["adapters"])
+    if args.iters is not None:
+        o["iters"] = args.iters
+    if args.budget_s is not None:
+        o["budget_s"] = args.budget_s
+    skip = set(filter(None, args.skip.split(",")))
+    dev = jax.devices()[0]
+    o["quick"] = args.quick
+    o["interpret"] = dev.platform == "cpu"
+    t_start = time.perf_counter()
+
+    def over_budget() -> bool:
+        return o["budget_s"] > 0 and time.perf_counter() - t_start > o["budget_s"]
+
+    result = {"commit": git_commit(), "device": str(dev.device_kind), "platform": dev.platform,
+              "jax": jax.__version__, "python": platform.python_version(),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "mode": "quick" if args.quick else "full", "dtype": "bfloat16",
+              "interpret": o["interpret"],
+              "config": {k: v for k, v in o.items() if k not in ("quick",)},
+              "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
+              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.BLOCK_T,
+                                 max_programs=lora_kernels.MAX_PROGRAMS),
+              "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
+
+    def save():
+        result["elapsed_s"] = time.perf_counter() - t_start
+        result["targets"] = targets(result, o)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
+    bw = copy_bandwidth(o["copy_bytes"], o["copy_iters"])
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {dev.device_kind} ({dev.platform}), "
+          f"interpret={o['interpret']}", flush=True)
+
+    if "attention" not in skip:
+        seed = 10
+        for model, nh, kvh, d in o["attn_models"]:
+            for ps in o["page_sizes"]:
+                seed += 1
+                if over_budget():
+                    result["attention_skipped"].append(f"{model} ps={ps}")
+                    continue
+                t0 = time.perf_counter()
+                c = bench_attention_case(model, nh, kvh, d, ps, bw, o, seed)
+                result["attention"].append(c)
+                save()
+                p, r = c["variants"]["pallas"], c["variants"]["reference"]
+                print(f"attention {model:<10} ps={ps:<3} pallas {_cell(p)} reference {_cell(r)} "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    if "lora" not in skip:
+        h, i = o["hidden"], o["inter"]
+        shapes = {"qkvo": (h, h), "gate_up": (h, i), "down": (i, h)}
+        mods = [m for m in args.modules.split(",") if m]
+        pools = {m: LoraPool(m, *shapes[m], o, seed=100 + k) for k, m in enumerate(mods)}
+        result["lora_pools"] = {m: {"rows": p.n_rows, "width": p.width, "adapters": len(p.ranks),
+                                    "MB": p.n_rows * p.width * 2 / 1e6} for m, p in pools.items()}
+        seed = 1000
+        for t in o["tokens"]:
+            for n in o["adapters"]:
+                for m in mods:
+                    seed += 1
+                    if over_budget():
+                        result["lora_skipped"].append(f"{m} T={t} n={n}")
+                        continue
+                    t0 = time.perf_counter()
+                    c = bench_lora_case(pools[m], t, n, bw, o, seed)
+                    result["lora"].append(c)
+                    save()
+                    v = c["variants"]
+                    print(f"lora {m:<8} T={t:<4} n={n:<3} " +
+                          " ".join(f"{LABELS[k]} {_cell(v[k]).strip()}" for k in VARIANTS[:4]) +
+                          f" ({time.perf_counter() - t0:.1f} s)", flush=True)
+        del pools
+    save()
+    print(table(result), flush=True)
+    if args.out:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
