@@ -87,6 +87,7 @@ class Engine:
                                cost=StepCostModel(), metrics=self.metrics)
         self.step_count = 0
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
+        self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
 
     def _pages_from_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}
@@ -231,6 +232,17 @@ class Engine:
         pages = np.asarray(self.pool.kv[req.rid], np.int32)
         return pages[positions // self.ps] * self.ps + positions % self.ps
 
+    def _adapter_rows(self, entry: AdapterEntry) -> np.ndarray:
+        """Row indices of a resident adapter's pages, computed once per residency (a reload gets
+        a new page list, so the cache entry is checked by identity), not every step."""
+        pages = self.pool.adapters[entry.key]
+        hit = self._rows.get(entry.key)
+        if hit is None or hit[0] is not pages:
+            if len(self._rows) > 4 * max(len(self.pool.adapters), 64):  # drop the evicted ones
+                self._rows = {k: v for k, v in self._rows.items() if k in self.pool.adapters}
+            hit = self._rows[entry.key] = (pages, page_rows(pages, entry.layout.rows, self.ps))
+        return hit[1]
+
     def _lora_inputs(self, token_reqs: list[Request | None], t: int) -> paged.LoraInputs | None:
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
         if not entries:
@@ -261,7 +273,7 @@ class Engine:
                 m = e.layout.modules.get(module)
                 if m is None:
                     continue
-                all_rows = page_rows(self.pool.adapters[e.key], e.layout.rows, self.ps)
+                all_rows = self._adapter_rows(e)
                 a[i, :m.a_rows] = all_rows[m.a_row:m.a_row + m.a_rows]
                 b[i, :m.b_rows] = all_rows[m.b_row:m.b_row + m.b_rows]
                 rk[i] = m.rank
