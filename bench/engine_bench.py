@@ -63,6 +63,12 @@ def randomize_pool(llm: LLM) -> None:
     llm.engine.kv = [fill(k, a) for k, a in zip(keys, llm.engine.kv)]
 
 
+def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
+    lora, attn = pair.split("/")
+    llm.engine.opts.lora_backend, llm.engine.opts.attention_backend = lora, attn
+    return lora, attn
+
+
 def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
     eng = llm.engine
     reqs = []
@@ -96,6 +102,7 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
     roof = (w_bytes + kv_bytes + ad_bytes) / bw
     ms = float(np.median(ts)) * 1e3
     return {"batch": batch, "context": context, "distinct_adapters": len(distinct), "ms": ms,
+            "lora_backend": eng.opts.lora_backend, "attention_backend": eng.opts.attention_backend,
             "roofline_ms": roof * 1e3, "x_roofline": ms / (roof * 1e3),
             "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": ad_bytes}}
 
@@ -112,7 +119,8 @@ def bench_throughput(llm: LLM, n_adapters: int, names: list[str], args) -> dict:
     dt = time.perf_counter() - t
     after = llm.stats()
     n_tok = sum(len(o.token_ids) for o in outs)
-    return {"adapters": n_adapters, "requests": len(outs), "generated_tokens": n_tok, "seconds": dt,
+    return {"adapters": n_adapters, "requests": len(outs),
+            "lora_backend": llm.engine.opts.lora_backend, "attention_backend": llm.engine.opts.attention_backend, "generated_tokens": n_tok, "seconds": dt,
             "tok_per_s": n_tok / dt, "distinct_in_batch": len(set(chosen or [])),
             "steps": after["steps"] - before["steps"], "evictions": after["evictions"] - before["evictions"],
             "preempted": after["preempted"] - before["preempted"]}
@@ -134,6 +142,9 @@ def main() -> None:
     ap.add_argument("--distinct-files", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
+    ap.add_argument("--backends", default="xla/xla",
+                    help="comma list of lora/attention backend pairs, each timed in this one run, "
+                         "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -175,26 +186,32 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
 
+    pairs = args.backends.split(",")
     if "decode" not in skip:
         rows = result["decode"] = []
-        for b in (int(x) for x in args.batches.split(",")):
-            for ads in ([], names[:min(b, 32)]):
-                r = bench_decode(llm, b, args.context, ads, args.iters, bw)
-                rows.append(r)
-                save()
-                print(f"decode B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
-                      f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
+        for pair in pairs:
+            set_backends(llm, pair)
+            for b in (int(x) for x in args.batches.split(",")):
+                for ads in ([], names[:min(b, 32)]):
+                    r = bench_decode(llm, b, args.context, ads, args.iters, bw)
+                    rows.append(r)
+                    save()
+                    print(f"decode {pair:13s} B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
+                          f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
     if "throughput" not in skip:
         rows = result["throughput"] = []
-        for n in (int(x) for x in args.adapter_counts.split(",")):
-            bench_throughput(llm, n, names[:n], args)  # warm-up: compiles this workload's buckets
-            r = bench_throughput(llm, n, names[:n], args)
-            rows.append(r)
-            save()
-            print(f"throughput n={n:5d}  {r['tok_per_s']:9.1f} tok/s  ({r['seconds']:.1f} s, "
-                  f"{r['steps']} steps, {r['evictions']} evictions, {r['preempted']} preempted)", flush=True)
-        base = next((r for r in rows if r["adapters"] == 0), None)
+        for pair in pairs:
+            set_backends(llm, pair)
+            for n in (int(x) for x in args.adapter_counts.split(",")):
+                bench_throughput(llm, n, names[:n], args)  # warm-up: compiles this workload's buckets
+                r = bench_throughput(llm, n, names[:n], args)
+                rows.append(r)
+                save()
+                print(f"throughput {pair:13s} n={n:5d}  {r['tok_per_s']:9.1f} tok/s  ({r['seconds']:.1f} s, "
+                      f"{r['steps']} steps, {r['evictions']} evictions, {r['preempted']} preempted)", flush=True)
         for r in rows:
+            base = next((b for b in rows if b["adapters"] == 0 and b["lora_backend"] == r["lora_backend"]
+                         and b["attention_backend"] == r["attention_backend"]), None)
             r["vs_base"] = r["tok_per_s"] / base["tok_per_s"] if base else None
     save()
     print(json.dumps(result, indent=2))

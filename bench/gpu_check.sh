@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the test suite under the image's own packages (the GPU-only kernel
 # classes included), the kernel micro-benchmark, then the paged-engine benchmark on llama-7b dummy
-# weights. Full logs and JSON go under $OUT; the console gets the short version.
-#   bash bench/gpu_check.sh [tests|kernels|bench|all] [extra engine_bench.py args]
+# weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
+# under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
+# the others' results with it.
+#   bash bench/gpu_check.sh [tests|kernels|bench|all|comma list] [extra engine_bench.py args]
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
-part=${1:-all}; shift || true
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SLORA_ORACLE_PYTHON=python3
+parts=${1:-all}; shift || true
+[[ $parts == all ]] && parts=tests,kernels,bench
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 SLORA_ORACLE_PYTHON=python3
+export SLORA_COMMIT=${SLORA_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|orbax-checkpoint|safetensors|torch|transformers|peft|triton|numpy) " \
+python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|orbax-checkpoint|safetensors|torch|transformers|peft|triton|jax-triton|numpy) " \
   | tee "$OUT/versions.txt"
 rc=0
-if [[ $part == tests || $part == all ]]; then
+has() { [[ ",$parts," == *",$1,"* ]]; }
+if has tests; then
   # float32 parity needs full-precision matmuls (XLA on GPU may otherwise use TF32).
-  JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} \
-    > "$OUT/pytest.log" 2>&1
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider \
+    --durations=15 ${TESTS:-tests} > "$OUT/pytest.log" 2>&1
   rc=$?
-  grep -v "host_offloader\|^W1" "$OUT/pytest.log" | tail -25
+  echo "pytest rc=$rc"
+  grep -v "host_offloader\|^W1" "$OUT/pytest.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -25
 fi
-if [[ $part == kernels || $part == all ]]; then
-  python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
-  tail -30 "$OUT/kernels.log"
+if has kernels; then
+  timeout "${T_KERNELS:-240}" python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/kernels.log" 2>&1
+  echo "kernels rc=$?"
+  tail -40 "$OUT/kernels.log"
 fi
-if [[ $part == bench || $part == all ]]; then
-  python3 bench/engine_bench.py --model llama-7b --out "$OUT/engine_bench.json" "$@" > "$OUT/engine_bench.log" 2>&1
-  grep -E "^(decode|throughput)|Error|error" "$OUT/engine_bench.log" | tail -30
+if has bench; then
+  timeout "${T_BENCH:-400}" python3 bench/engine_bench.py --model llama-7b --out "$OUT/engine_bench.json" "$@" \
+    > "$OUT/engine_bench.log" 2>&1
+  echo "engine_bench rc=$?"
+  grep -E "^(decode|throughput)|Error|error" "$OUT/engine_bench.log" | tail -40
 fi
 exit $rc
