@@ -52,6 +52,14 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
+def mem(tag: str) -> dict:
+    """Device memory at a phase of the run (GPU only), printed and kept in the JSON."""
+    st = jax.devices()[0].memory_stats() or {}
+    row = {k: round(st[k] / 2**30, 2) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in st}
+    print(f"memory {tag}: {row} GiB", flush=True)
+    return {"phase": tag, **row}
+
+
 def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -71,6 +79,8 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
 
 def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
     eng = llm.engine
+    if not hasattr(eng, "_shapes_seen_bench"):
+        eng._shapes_seen_bench = set()
     reqs = []
     rng = np.random.default_rng(batch)
     for i in range(batch):
@@ -82,6 +92,14 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
         reqs.append(req)
     inp, _ = eng._decode_inputs(reqs)
     inp = jax.device_put(inp)
+    t0 = time.perf_counter()
+    if batch == 1 and (bool(adapters), eng.opts.lora_backend) not in eng._shapes_seen_bench:
+        ma = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile().memory_analysis()
+        if ma is not None:
+            print(f"  forward_sample B={batch}: temp {ma.temp_size_in_bytes / 2**30:.2f} GiB, "
+                  f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
+                  f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
+        eng._shapes_seen_bench.add((bool(adapters), eng.opts.lora_backend))
     for _ in range(2):
         eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
     res.block_until_ready()
@@ -165,10 +183,13 @@ def main() -> None:
               max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=2048,
               max_prefill_seqs=16, memory_fraction=0.7, max_adapters_per_batch=max_seqs)
     result["load_s"] = time.perf_counter() - t0
+    result["memory"] = [mem("after LLM()")]
     result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None
     bw = (result["copy_bandwidth_GBps"] or 50.0) * 1e9
     randomize_pool(llm)
     result["pool"] = llm.stats()
+    result["memory"].append(mem("after pool fill"))
+    print("pool", result["pool"], flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="slora-bench-"))
     files = [random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
