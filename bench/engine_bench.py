@@ -65,10 +65,15 @@ def tree_bytes(tree) -> int:
 
 
 def randomize_pool(llm: LLM) -> None:
+    """Random KV in every page (timing on all-zero data is not allowed). The new values are added to
+    the donated pool so the output aliases it: a fill that ignores its input would not be donated
+    (JAX drops unused arguments) and would briefly hold the pool twice. One layer at a time."""
     keys = jax.random.split(jax.random.PRNGKey(1), len(llm.engine.kv))
-    fill = jax.jit(lambda k, a: (0.5 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype),
-                   donate_argnums=1)
-    llm.engine.kv = [fill(k, a) for k, a in zip(keys, llm.engine.kv)]
+    fill = jax.jit(lambda k, a: a + (0.5 * jax.random.normal(k, a.shape, a.dtype)), donate_argnums=1)
+    kv = llm.engine.kv
+    for i, k in enumerate(keys):
+        kv[i] = fill(k, kv[i])
+        kv[i].block_until_ready()
 
 
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:

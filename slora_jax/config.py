@@ -112,8 +112,11 @@ def model_config_names() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.toml") if p.stem != "base")
 
 
-def load_model_config(model: str | os.PathLike) -> ModelConfig:
-    """A shape name from configs/models, or a Hugging Face model directory holding config.json."""
+def load_model_config(model: "str | os.PathLike | ModelConfig") -> ModelConfig:
+    """A shape name from configs/models, a Hugging Face model directory holding config.json, or a
+    ModelConfig (returned as is)."""
+    if isinstance(model, ModelConfig):
+        return model
     path = Path(model)
     if (path / "config.json").is_file():
         d = json.loads((path / "config.json").read_text())

@@ -40,7 +40,7 @@ class LLM:
         self.options = EngineOptions(**options)
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
-        self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
+        self.tokenizer = load_tokenizer(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
         self._rng = np.random.default_rng(seed)
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
                                   self.options.max_lora_rank, self.options.host_cache_size)

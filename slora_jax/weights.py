@@ -409,8 +409,8 @@ def cache_key(model_dir: str | os.PathLike, cfg: ModelConfig, dtype) -> str:
 def load_params(model: str | os.PathLike, cfg: ModelConfig, dtype="bfloat16", *, seed: int = 0,
                 cache_dir: str | os.PathLike | None = None) -> Params:
     """The one entry point: a HF model directory (through the orbax cache if given) or dummy weights."""
-    if not Path(model).is_dir():
-        return dummy_params(cfg, dtype, seed)  # a shape name from configs/models
+    if isinstance(model, ModelConfig) or not Path(model).is_dir():
+        return dummy_params(cfg, dtype, seed)  # a shape name from configs/models, or a ModelConfig
     if cache_dir is None:
         return load_hf_weights(model, cfg, dtype)
     ckpt = Path(cache_dir) / cache_key(model, cfg, dtype)
