@@ -192,7 +192,8 @@ class TestInterpreter:
 @pytest.mark.gpu
 @pytest.mark.skipif(tk.unavailable_reason() is not None, reason=str(tk.unavailable_reason()))
 class TestTritonGPU:
-    # float32 operands go through TF32 on the GPU (tl.dot's default, as for the Pallas twin)
+    # float32 operands go through TF32 on the GPU unless JAX's default matmul precision is
+    # "highest" (bench/gpu_check.sh sets it), as for the Pallas twin
     TOL = {jnp.float32: 1e-2, jnp.bfloat16: 1e-2}
 
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -235,6 +236,27 @@ class TestTritonGPU:
                                                     out_features=case.fout), donate_argnums=0)
         got = f(jnp.array(args[0]), *args[1:])
         assert rel_err(got, want) < 1e-2
+
+
+def test_f32_dot_follows_jax_precision():
+    with jax.default_matmul_precision("highest"):
+        case, args, *_ = shrink_inputs("decode", jnp.float32)
+        assert tk.shrink_plan(*args, max_rank=MAX_RANK, in_features=case.fin)[1]["F32_DOT"] == "ieee"
+    with jax.default_matmul_precision("default"):
+        assert tk.shrink_plan(*args, max_rank=MAX_RANK, in_features=case.fin)[1]["F32_DOT"] == "tf32"
+
+
+def test_engine_options():
+    from slora_jax.engine import EngineOptions
+    if tk.unavailable_reason() is not None:
+        with pytest.raises(ValueError, match="lora_backend='triton' needs"):
+            EngineOptions(lora_backend="triton")
+    else:
+        assert EngineOptions(lora_backend="triton").lora_backend == "triton"
+    with pytest.raises(ValueError, match="no Triton attention"):
+        EngineOptions(attention_backend="triton")
+    with pytest.raises(ValueError, match="must be"):
+        EngineOptions(lora_backend="cuda")
 
 
 def test_wrappers_refuse_interpret():

@@ -7,6 +7,7 @@ runs them on the CPU with torch tensors (tests/triton_interpret.py). Importing t
 Every size is a constexpr (JAX shapes are static anyway). Matrices are row-major and contiguous:
 x [T, FIN], xa [T, MAX_RANK], y / out [T, FOUT], rows [N, W], a_rows [Sa, RA], b_rows [Sa, RB],
 sched [3, NB] (slot, first token, segment end per block), total [1] (live blocks), ranks [Sa].
+F32_DOT is tl.dot's input_precision for float32 operands ("tf32" or "ieee"); bf16 ignores it.
 """
 
 import triton
@@ -28,7 +29,8 @@ def _gather_tile(rows_ptr, idx_ptr, s, flat, live, NIDX: tl.constexpr, W: tl.con
 def lora_shrink_kernel(total_ptr, sched_ptr, ranks_ptr, a_rows_ptr, x_ptr, rows_ptr, _xa_in_ptr,
                        xa_ptr, NB: tl.constexpr, N_PROGRAMS: tl.constexpr, BLOCK_T: tl.constexpr,
                        RANK_TILE: tl.constexpr, COL_TILE: tl.constexpr, FIN: tl.constexpr,
-                       W: tl.constexpr, RA: tl.constexpr, MAX_RANK: tl.constexpr):
+                       W: tl.constexpr, RA: tl.constexpr, MAX_RANK: tl.constexpr,
+                       F32_DOT: tl.constexpr):
     """xa[t, j] = x[t] . A^T_s[j] for j < r_s. Program (p, k): blocks p, p + N_PROGRAMS, ... and
     rank tile k. xa_ptr aliases _xa_in_ptr (zeros): only live entries are written."""
     p = tl.program_id(0)
@@ -51,7 +53,8 @@ def lora_shrink_kernel(total_ptr, sched_ptr, ranks_ptr, a_rows_ptr, x_ptr, rows_
                 at = _gather_tile(rows_ptr, a_rows_ptr, s, first + c, j_live, RA, W, COL_TILE)
                 xt = tl.load(x_ptr + t[:, None] * FIN + c + cols[None, :], mask=t_live[:, None],
                              other=0)                             # [BLOCK_T, C]
-                acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc)  # [BLOCK_T, RANK_TILE]
+                acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc,  # [BLOCK_T, RANK_TILE]
+                             input_precision=F32_DOT)
             tl.store(xa_ptr + t[:, None] * MAX_RANK + j[None, :], acc,
                      mask=t_live[:, None] & j_live[None, :])
 
@@ -60,7 +63,8 @@ def lora_shrink_kernel(total_ptr, sched_ptr, ranks_ptr, a_rows_ptr, x_ptr, rows_
 def lora_expand_kernel(total_ptr, sched_ptr, ranks_ptr, b_rows_ptr, xa_ptr, rows_ptr, y_ptr,
                        out_ptr, NB: tl.constexpr, N_PROGRAMS: tl.constexpr, BLOCK_T: tl.constexpr,
                        RANK_TILE: tl.constexpr, COL_TILE: tl.constexpr, FOUT: tl.constexpr,
-                       W: tl.constexpr, RB: tl.constexpr, MAX_RANK: tl.constexpr):
+                       W: tl.constexpr, RB: tl.constexpr, MAX_RANK: tl.constexpr,
+                       F32_DOT: tl.constexpr):
     """out[t, cols] = y[t, cols] + xa[t, :r_s] @ B_s[:, cols]. Program (p, o): blocks p,
     p + N_PROGRAMS, ... and output column tile o. out_ptr aliases y_ptr: base tokens keep y."""
     p = tl.program_id(0)
@@ -82,7 +86,7 @@ def lora_expand_kernel(total_ptr, sched_ptr, ranks_ptr, b_rows_ptr, xa_ptr, rows
                               RB, W, COL_TILE)                    # [RANK_TILE, C]
             xat = tl.load(xa_ptr + t[:, None] * MAX_RANK + j[None, :],
                           mask=t_live[:, None] & j_live[None, :], other=0)
-            acc = tl.dot(xat.to(bt.dtype), bt, acc)              # in the pool's dtype
+            acc = tl.dot(xat.to(bt.dtype), bt, acc, input_precision=F32_DOT)  # pool's dtype
         tile = t[:, None] * FOUT + cols[None, :]
         y = tl.load(y_ptr + tile, mask=t_live[:, None], other=0)
         tl.store(out_ptr + tile, (y.to(tl.float32) + acc).to(out_ptr.dtype.element_ty),

@@ -27,8 +27,9 @@ so dead entries stay exactly 0. Expand aliases y to its output and writes y + de
 of live blocks only: base tokens and tokens of rank-0 slots keep y untouched, with no extra pass
 over [T, out]. (Under jit, XLA copies y first unless the caller donates it.)
 
-Precision. tl.dot's default: TF32 for float32 operands on the GPU, like the Pallas twin's default
-precision; bf16 operands multiply exactly, accumulated in float32.
+Precision. Float32 operands follow JAX's default matmul precision, as the Pallas twin's dots do:
+TF32 by default, IEEE float32 under jax_default_matmul_precision "highest" / "float32" (what
+float32 parity runs use). bf16 operands multiply exactly, accumulated in float32.
 
 `jax_triton` and `triton` are imported lazily: neither imports on a CPU-only machine. The kernel
 bodies live in triton_kernels/_lora_tl.py (pure Triton), which Triton's interpreter also runs on the
@@ -65,6 +66,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _f32_dot() -> str:
+    """tl.dot's input_precision for float32 operands, from JAX's default matmul precision."""
+    precision = str(jax.config.jax_default_matmul_precision or "").lower()
+    return "ieee" if precision in ("highest", "float32", "f32_f32_f32") else "tf32"
+
+
 # ---------------------------------------------------------------------------------------------
 # Plans: the kernel's arrays, constexprs and grid, in plain JAX. The jax-triton wrappers launch them;
 # the interpreter test ships them to a Triton interpreter as they are.
@@ -85,7 +92,7 @@ def shrink_plan(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
               jnp.zeros((t, max_rank), jnp.float32))
     const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
                  COL_TILE=col_tile, FIN=in_features, W=width, RA=a_rows.shape[1],
-                 MAX_RANK=max_rank)
+                 MAX_RANK=max_rank, F32_DOT=_f32_dot())
     grid = (n_programs, -(-max_rank // rank_tile))
     return arrays, const, grid, dict(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
 
@@ -103,7 +110,7 @@ def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     arrays = (total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
     const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
                  COL_TILE=col_tile, FOUT=out_features, W=width, RB=b_rows.shape[1],
-                 MAX_RANK=max_rank)
+                 MAX_RANK=max_rank, F32_DOT=_f32_dot())
     grid = (n_programs, out_features // col_tile)
     return arrays, const, grid, dict(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
 
