@@ -10,7 +10,8 @@ here; tests/triton_interpret.py launches them in one subprocess of an interprete
 and torch: $SLORA_TRITON_PYTHON, else the oracle's ($SLORA_ORACLE_PYTHON or .venv-oracle) when
 triton imports there. Skips when there is none.
 
-TestTritonGPU runs the jax-triton wrappers, compiled, against the same references; it skips unless
+test_compiles_for_h200 compiles both kernels for sm_90 with Triton's compiler (to a cubin, on the
+CPU) through the same Python. TestTritonGPU runs the jax-triton wrappers, compiled, against the same references; it skips unless
 JAX's default backend is a GPU and jax_triton imports.
 """
 
@@ -183,6 +184,48 @@ class TestInterpreter:
         want = ref.lora_shrink_reference(x, rows, a_rows, ranks, seg, max_rank=8,
                                          in_features=FEW.fin)
         assert rel_err(interpreted["few-shrink"], want) < 1e-5
+
+
+_TRITON_TYPE = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16",
+                jnp.dtype(jnp.int32): "*i32"}
+PTR_ARGS = {"lora_shrink_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "a_rows_ptr", "x_ptr",
+                                   "rows_ptr", "_xa_in_ptr", "xa_ptr"),
+            "lora_expand_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "b_rows_ptr", "xa_ptr",
+                                   "rows_ptr", "y_ptr", "out_ptr")}
+
+
+def test_compiles_for_h200(tmp_path, fin=11008, fout=14336, width=1024):
+    """Both kernels, bf16 and float32 (TF32 and IEEE dots), through Triton's compiler for sm_90
+    down to a cubin, on the CPU (tests/triton_compile.py). MLP widths, W not dividing `in`."""
+    py = interpreter_python()
+    if py is None:
+        pytest.skip("no Python with triton and torch (set SLORA_TRITON_PYTHON)")
+    t, sa, r, n = 40, 8, 64, 256
+    jobs = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for precision in ("default", "highest"):
+            with jax.default_matmul_precision(precision):
+                x, rows = jnp.zeros((t, fin), dtype), jnp.zeros((n, width), dtype)
+                a_rows = jnp.zeros((sa, -(-r * fin // width)), jnp.int32)
+                b_rows = jnp.zeros((sa, -(-r * fout // width)), jnp.int32)
+                ranks, seg = jnp.full((sa,), r, jnp.int32), jnp.arange(sa + 1, dtype=jnp.int32)
+                plans = {
+                    "lora_shrink_kernel": tk.shrink_plan(x, rows, a_rows, ranks, seg, max_rank=r,
+                                                         in_features=fin),
+                    "lora_expand_kernel": tk.expand_plan(jnp.zeros((t, fout), dtype),
+                                                         jnp.zeros((t, r), jnp.float32), rows,
+                                                         b_rows, ranks, seg, max_rank=r,
+                                                         out_features=fout)}
+            for kernel, (arrays, const, _, options) in plans.items():
+                types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays]
+                types.append(types[-1])  # the output aliases the last input
+                jobs.append(dict(kernel=kernel, const=const, options=options,
+                                 dtypes=dict(zip(PTR_ARGS[kernel], types))))
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    p = subprocess.run([py, str(HELPER.parent / "triton_compile.py"), str(tmp_path / "jobs.json")],
+                       env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert p.stdout.count("cubin") == len(jobs), p.stdout
 
 
 # ---------------------------------------------------------------------------------------------
