@@ -14,7 +14,8 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
   padded   vLLM-style slots: dense per-slot A [n, in, 64] and B [n, 64, out], zero past each rank,
            gathered per token (A[slot] -> bmm), in jnp
-  triton   triton_kernels via jax-triton: not written yet, reported as n/a (null in the JSON)
+  triton   triton_kernels.lora.lora_delta: the same segment form in Triton, through jax-triton;
+           n/a (null in the JSON) where it cannot run: no GPU, or jax-triton missing
 
 Inputs: one pool of rows [N, W] per module shape (bf16, random normal, larger than L2); each adapter
 is a set of rows at random positions of it (the A^T and B rows the engine's layout puts there); the
@@ -28,7 +29,8 @@ out] read once; y (float32 [T, out]) written once and read once by expand. Achie
 bytes / time, reported as a fraction of the copy bandwidth (bench/engine_bench.copy_bandwidth: an
 elementwise a*1.0001 over 2 GiB, read + write). Every variant's output is checked against the xla
 reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2); the error is in the
-JSON, and a "!" marks a failed check in the table.
+JSON, and a "!" marks a failed check in the table. A case's "speedup" is each other variant's time
+over pallas' (speedup["triton"] > 1: pallas is faster than triton).
 
 Paged decode attention: B = 64 sequences of 1024 context tokens each in a pool [pages, 2, ps, W],
 pages in random order, page sizes 16 and 1; GQA (llama-3-8b per layer: 32 q heads, 8 kv heads,
@@ -65,6 +67,7 @@ from pallas_kernels.lora import lora_delta  # noqa: E402
 from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
                                             paged_decode_attention_reference)
 from slora_jax.paged import lora_xla  # noqa: E402
+from triton_kernels import lora as triton_lora  # noqa: E402 (imports jax-triton lazily)
 
 L2_BYTES = 50 << 20          # H200 L2
 ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
@@ -277,8 +280,12 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
                 padded_sets.append({"x": s["x"], "A": a, "B": b, "tok": s["tok"]})
         return padded_sets
 
+    def triton(rows, s):
+        x, a, b, r, seg = args(s)
+        return triton_lora.lora_delta(x, rows, a, b, r, seg, **kw)
+
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
-                "triton": None}  # triton: not written yet (triton_kernels/ is empty)
+                "triton": triton if opts["triton"] else None}  # None: reported as n/a
     res = measure(variants, "xla_ref", lambda name: None if name == "padded" else pool.rows,
                   sets_of, by["total"], bw, opts)
     padded_sets.clear()
@@ -293,7 +300,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
                               if p and "us" in p and res[other] and "us" in res[other] else None)
-                      for other in ("padded", "onehot", "xla_ref")}
+                      for other in ("padded", "onehot", "xla_ref", "triton")}
     return out
 
 
@@ -435,7 +442,7 @@ def table(result: dict) -> str:
                 f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
                 f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
                 "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
-                f"| {'n/a (not written)':<17} | {gbps} {_x(c['speedup']['padded']):>6} "
+                f"| {_cell(v['triton'], 17)} | {gbps} {_x(c['speedup']['padded']):>6} "
                 f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
         if result.get("lora_skipped"):
             lines.append(f"skipped (time budget): {', '.join(result['lora_skipped'])}")
@@ -510,6 +517,8 @@ def main() -> None:
     dev = jax.devices()[0]
     o["quick"] = args.quick
     o["interpret"] = dev.platform == "cpu"
+    triton_unavailable = triton_lora.unavailable_reason()
+    o["triton"] = triton_unavailable is None
     t_start = time.perf_counter()
 
     def over_budget() -> bool:
@@ -520,6 +529,8 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "mode": "quick" if args.quick else "full", "dtype": "bfloat16",
               "interpret": o["interpret"],
+              "triton_unavailable": triton_unavailable,
+              "triton_block": dict(triton_lora.BLOCKS),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
               "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.BLOCK_T,
@@ -537,6 +548,8 @@ def main() -> None:
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s on {dev.device_kind} ({dev.platform}), "
           f"interpret={o['interpret']}", flush=True)
+    if triton_unavailable:
+        print(f"triton column n/a: {triton_unavailable}", flush=True)
 
     if "attention" not in skip:
         seed = 10

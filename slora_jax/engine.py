@@ -47,13 +47,20 @@ class EngineOptions(SchedulerOptions):
         super().__post_init__()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("lora_backend", "attention_backend"):
-            value = getattr(self, name)
-            if value == "triton":
-                raise ValueError(f"{name}='triton' is not available yet (no Triton kernels); "
-                                 "use 'pallas' or 'xla'")
-            if value not in ("xla", "pallas"):
-                raise ValueError(f"{name} must be 'xla' or 'pallas', got {value!r}")
+        if self.attention_backend == "triton":
+            raise ValueError("attention_backend='triton' is not available (no Triton attention "
+                             "kernel); use 'pallas' or 'xla'")
+        if self.attention_backend not in ("xla", "pallas"):
+            raise ValueError(f"attention_backend must be 'xla' or 'pallas', got "
+                             f"{self.attention_backend!r}")
+        if self.lora_backend not in ("xla", "pallas", "triton"):
+            raise ValueError(f"lora_backend must be 'xla', 'pallas' or 'triton', got "
+                             f"{self.lora_backend!r}")
+        if self.lora_backend == "triton":
+            from triton_kernels.lora import unavailable_reason
+            reason = unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"lora_backend='triton' {reason}; use 'pallas' or 'xla'")
 
 
 def _group_by_adapter(chunks: list) -> None:

@@ -32,7 +32,8 @@ class LoraInputs:
     pool, RA = ceil(R * in / W); ranks[module] [Sa] (0: the adapter does not target the module).
     token_slot [T]: the slot of each token's adapter, -1 for base-model tokens; tokens are grouped
     by slot, so seg_starts [Sa+1] gives slot s the tokens [seg_starts[s], seg_starts[s+1]).
-    backend: "xla" (one-hot over slots) or "pallas" (pallas_kernels.lora, segment form).
+    backend: "xla" (one-hot over slots), "pallas" (pallas_kernels.lora, segment form) or "triton"
+    (triton_kernels.lora through jax-triton, the same segment form; GPU only).
     """
     token_slot: jax.Array
     seg_starts: jax.Array
@@ -182,10 +183,15 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             return None
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
-        if lora.backend == "pallas":
+        if lora.backend in ("pallas", "triton"):
+            if lora.backend == "pallas":
+                kernel_delta = lora_delta
+            else:
+                from triton_kernels.lora import lora_delta as kernel_delta  # needs jax-triton
             pl = pool[layer]
-            return lora_delta(x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows, lora.ranks[module],
-                              lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout, backend="pallas")
+            return kernel_delta(x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows,
+                                lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
+                                fin=fin, fout=fout, backend=lora.backend)
         return lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
                         lora.max_rank, fin, fout)
     return delta

@@ -1,0 +1,114 @@
+"""Run triton_kernels/_lora_tl.py's kernels under Triton's interpreter, on the CPU, with torch.
+
+Not a test: tests/test_triton_kernels.py runs this in an interpreter that has triton and torch but
+not necessarily JAX (the oracle's Python 3.11, for instance); JAX builds the kernels' inputs there,
+and checks the outputs against the jnp references. Talks through files only:
+
+  python tests/triton_interpret.py JOBS.json ARRAYS.npz OUT.npz
+
+JOBS.json: [{"name", "kernel", "arrays": [npz keys, in kernel order], "const": {...}, "grid": [...]}].
+The last array of a job is the buffer its output aliases (the zero xa, or y); the kernel writes it
+in place, and OUT.npz holds it under the job's name. bfloat16 arrays travel as uint16 with keys
+ending in "@bf16".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from triton_kernels import _lora_tl  # noqa: E402
+
+
+def _fix_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(<array of shape (1,)>),
+    which NumPy >= 2.4 refuses: a loop bound loaded from memory (`range(p, total, ...)`) fails.
+    Use .item() instead, which works with every NumPy."""
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    interpreter._patch_lang_tensor = patched
+
+
+def _fix_bf16_dot() -> None:
+    """Triton 3.6's interpreter keeps bfloat16 as uint16 and multiplies those integers in tl.dot.
+    Widen bfloat16 operands to float32 first (exact), which is what the GPU's bf16 MMA with float32
+    accumulation computes."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        f32 = (h.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(f32, tl.float32)
+
+    def create_dot(self, a, b, d, *rest):
+        return original(self, widen(a), widen(b), d, *rest)
+    builder.create_dot = create_dot
+
+
+def _fix_bf16_cast() -> None:
+    """Triton 3.6's interpreter truncates float32 -> bfloat16 in `.to()`; the GPU rounds to
+    nearest even (Triton's default rounding). Round to nearest even (finite values)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32).astype(np.uint64)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return interpreter.TensorHandle(bits.astype(np.uint16), tl.bfloat16)
+        return original(self, src, dst_type)
+    builder.cast_impl = cast_impl
+
+
+def to_torch(key: str, a: np.ndarray) -> torch.Tensor:
+    if key.endswith("@bf16"):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def to_numpy(key: str, t: torch.Tensor) -> np.ndarray:
+    if key.endswith("@bf16"):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def main(jobs_path: str, arrays_path: str, out_path: str) -> None:
+    _fix_scalar_index()
+    _fix_bf16_dot()
+    _fix_bf16_cast()
+    jobs = json.loads(Path(jobs_path).read_text())
+    with np.load(arrays_path) as z:
+        arrays = {k: z[k] for k in z.files}
+    out = {}
+    for job in jobs:
+        keys = job["arrays"]
+        args = [to_torch(k, arrays[k].copy()) for k in keys]
+        args.append(args[-1])  # the output aliases the last input
+        getattr(_lora_tl, job["kernel"])[tuple(job["grid"])](*args, **job["const"])
+        out[job["name"] + ("@bf16" if keys[-1].endswith("@bf16") else "")] = to_numpy(keys[-1],
+                                                                                      args[-1])
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

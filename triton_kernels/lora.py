@@ -1,0 +1,196 @@
+"""LoRA delta kernels over the unified pool in Triton, called through jax-triton: shrink (x @ A)
+and expand (y += xa @ B), the twins of pallas_kernels/lora.py with the same signatures, semantics
+and block schedule (see that module's docstring for the pool layout and the segment form).
+
+Tokens arrive grouped by adapter slot: slot s owns tokens [seg_starts[s], seg_starts[s+1]); tokens
+from seg_starts[Sa] on are base-model tokens. A^T [r, in] and scale*B [r, out] of each slot are read
+straight from a layer's pool rows [N, W] through per-slot row indices.
+
+Grid and tiling. The wrapper cuts every slot's segment into blocks of `block_t` tokens, back to back
+(pallas_kernels.lora._block_schedule, imported, not copied): at most T/block_t + Sa blocks, none for
+base tokens, empty slots or slots of rank 0. The grid is static, (programs, column tiles), with
+programs = min(blocks, max_programs); program p walks blocks p, p + programs, ... up to the live
+total read from memory (a loop with a traced trip count), so padding costs one trivial pass.
+  shrink: column tile k = rank tile k of xa (16 rank columns). A block loops over `in` in chunks of
+          C columns: x tile [block_t, C] . A^T tile [16, C]^T, accumulated in float32; rank tiles at
+          or past the slot's rank skip.
+  expand: column tile o = C output columns. A block loops over ceil(r / 16) rank tiles: xa tile
+          [block_t, 16] @ B tile [16, C], in the pool's dtype, accumulated in float32, then adds y.
+C is the largest power of two dividing W and the matrix width (capped), so one rank row's tile lies
+in one pool row: a tile of 16 rank rows is one 2-D gather (row index + column offset per rank row).
+Widths with no such C >= 16 (Triton's smallest dot side) fall back to the jnp reference, as the
+Pallas twin does. Padding is bounded by one tile: at most block_t - 1 dead token rows per block and
+ceil(r / 16) rank tiles per slot of rank r, whatever the batch's max rank.
+
+In place. Shrink writes into a zero [T, max_rank] buffer aliased to its output (input_output_aliases),
+so dead entries stay exactly 0. Expand aliases y to its output and writes y + delta for the tokens
+of live blocks only: base tokens and tokens of rank-0 slots keep y untouched, with no extra pass
+over [T, out]. (Under jit, XLA copies y first unless the caller donates it.)
+
+Precision. Float32 operands follow JAX's default matmul precision, as the Pallas twin's dots do:
+TF32 by default, IEEE float32 under jax_default_matmul_precision "highest" / "float32" (what
+float32 parity runs use). bf16 operands multiply exactly, accumulated in float32.
+
+`jax_triton` and `triton` are imported lazily: neither imports on a CPU-only machine. The kernel
+bodies live in triton_kernels/_lora_tl.py (pure Triton), which Triton's interpreter also runs on the
+CPU (tests/test_triton_kernels.py). On the GPU this needs jax-triton 0.3.1 and triton 3.6.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.lora import (BLOCK_T, MAX_PROGRAMS, _block_schedule, _check_block_t,
+                                 _col_tile, lora_expand_reference, lora_shrink_reference)
+
+# Block sizes, as in the Pallas twin (not yet tuned on a GPU; col_tile is a cap).
+BLOCKS = {
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
+}
+
+
+def unavailable_reason() -> str | None:
+    """Why the triton backend cannot run here, or None when it can."""
+    if jax.default_backend() != "gpu":
+        return f"needs a GPU (JAX's default backend is {jax.default_backend()!r})"
+    try:
+        for module in ("triton", "jax_triton"):  # jax_triton raises ImportError without a GPU jaxlib
+            importlib.import_module(module)
+    except ImportError as e:
+        return f"needs jax-triton 0.3.1 and triton ({type(e).__name__}: {e})"
+    return None
+
+
+def _f32_dot() -> str:
+    """tl.dot's input_precision for float32 operands, from JAX's default matmul precision."""
+    precision = str(jax.config.jax_default_matmul_precision or "").lower()
+    return "ieee" if precision in ("highest", "float32", "f32_f32_f32") else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: the kernel's arrays, constexprs and grid, in plain JAX. The jax-triton wrappers launch them;
+# the interpreter test ships them to a Triton interpreter as they are.
+
+
+def shrink_plan(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
+                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """(arrays, constexprs, grid, launch options) for lora_shrink_kernel; the last array is the
+    zero xa buffer that the output aliases."""
+    t, width = x.shape[0], rows.shape[1]
+    blocks = BLOCKS["shrink"]
+    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    n_programs = min(nb, max_programs)
+    x = x.astype(jnp.promote_types(x.dtype, rows.dtype))  # the kernel casts A tiles to x's dtype
+    arrays = (total, sched, ranks, a_rows.astype(jnp.int32), x, rows,
+              jnp.zeros((t, max_rank), jnp.float32))
+    const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
+                 COL_TILE=col_tile, FIN=in_features, W=width, RA=a_rows.shape[1],
+                 MAX_RANK=max_rank, F32_DOT=_f32_dot())
+    grid = (n_programs, -(-max_rank // rank_tile))
+    return arrays, const, grid, dict(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+
+
+def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
+                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """(arrays, constexprs, grid, launch options) for lora_expand_kernel; the last array is y,
+    which the output aliases."""
+    t, width = y.shape[0], rows.shape[1]
+    blocks = BLOCKS["expand"]
+    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    n_programs = min(nb, max_programs)
+    arrays = (total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
+    const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
+                 COL_TILE=col_tile, FOUT=out_features, W=width, RB=b_rows.shape[1],
+                 MAX_RANK=max_rank, F32_DOT=_f32_dot())
+    grid = (n_programs, out_features // col_tile)
+    return arrays, const, grid, dict(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+
+
+def _launch(kernel_name: str, plan, name: str):
+    import jax_triton
+    from triton_kernels import _lora_tl
+
+    arrays, const, grid, opts = plan
+    out = arrays[-1]
+    return jax_triton.triton_call(
+        *arrays, kernel=getattr(_lora_tl, kernel_name),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), grid=grid, name=name,
+        input_output_aliases={len(arrays) - 1: 0}, **opts, **const)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "in_features", "block_t", "max_programs"))
+def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, block_t, max_programs):
+    plan = shrink_plan(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
+                       in_features=in_features, block_t=block_t, max_programs=max_programs)
+    return _launch("lora_shrink_kernel", plan, "lora_shrink_triton")
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "block_t", "max_programs"))
+def _expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank, out_features, block_t,
+            max_programs):
+    plan = expand_plan(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                       out_features=out_features, block_t=block_t, max_programs=max_programs)
+    return _launch("lora_expand_kernel", plan, "lora_expand_triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# Public wrappers: the signatures of pallas_kernels.lora's (`interpret` is accepted and must be
+# falsy: the interpreter path is the test's, on torch tensors).
+
+
+def _no_interpret(interpret):
+    if interpret:
+        raise ValueError("triton_kernels run compiled only; Triton's interpreter runs the kernel "
+                         "bodies on torch tensors (tests/test_triton_kernels.py)")
+
+
+def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """xa [T, max_rank] float32: xa[t, :r_s] = x[t] @ A_s for the tokens of slot s, 0 elsewhere.
+    Arguments as pallas_kernels.lora.lora_shrink."""
+    assert x.shape[1] == in_features, (x.shape, in_features)
+    _no_interpret(interpret)
+    if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
+        return lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
+                                     in_features=in_features)
+    _check_block_t(block_t)
+    return _shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=in_features,
+                   block_t=block_t, max_programs=max_programs)
+
+
+def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+    """y + xa[:, :r_s] @ B_s for the tokens of slot s (base tokens unchanged), in y's dtype,
+    accumulated in place into (a copy of) y. Arguments as pallas_kernels.lora.lora_expand."""
+    assert y.shape[1] == out_features and xa.shape[1] == max_rank, (y.shape, xa.shape, out_features)
+    _no_interpret(interpret)
+    if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
+        return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                                     out_features=out_features)
+    _check_block_t(block_t)
+    return _expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                   out_features=out_features, block_t=block_t, max_programs=max_programs)
+
+
+def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+               backend: str = "triton", **kernel_options):
+    """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens.
+    backend "pallas" and "xla" forward to pallas_kernels.lora.lora_delta."""
+    if backend != "triton":
+        from pallas_kernels import lora as pallas_lora
+        return pallas_lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                                      fin=fin, fout=fout, backend=backend, **kernel_options)
+    xa = lora_shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
+                     **kernel_options)
+    y = jnp.zeros((x.shape[0], fout), jnp.float32)
+    return lora_expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout,
+                       **kernel_options)
