@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process)")
+    ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -226,7 +227,7 @@ def main() -> None:
                           f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
     if "throughput" not in skip:
         rows = result["throughput"] = []
-        for pair in pairs:
+        for pair in (args.throughput_backends or args.backends).split(","):
             set_backends(llm, pair)
             for n in (int(x) for x in args.adapter_counts.split(",")):
                 bench_throughput(llm, n, names[:n], args)  # warm-up: compiles this workload's buckets
