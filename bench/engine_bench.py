@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from slora_jax import LLM, SamplingParams, paged
 from slora_jax.adapters import random_peft_adapter
-from slora_jax.engine import Request
+from slora_jax.engine import Request, _group_by_adapter
 from slora_jax.request import RequestOutput
 
 
@@ -95,6 +95,9 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
                       entry, RequestOutput(f"bench-{i}", tokens), frozenset(), 0.0, num_computed=context - 1)
         assert eng._admit(req) and eng._grow(req, context), "pool too small for the decode benchmark"
         reqs.append(req)
+    chunks = [(r, 0, 0) for r in reqs]
+    _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
+    reqs = [c[0] for c in chunks]
     inp, _ = eng._decode_inputs(reqs)
     inp = jax.device_put(inp)
     t0 = time.perf_counter()
