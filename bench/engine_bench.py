@@ -95,30 +95,32 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
                       entry, RequestOutput(f"bench-{i}", tokens), frozenset(), 0.0, num_computed=context - 1)
         assert eng._admit(req) and eng._grow(req, context), "pool too small for the decode benchmark"
         reqs.append(req)
-    chunks = [(r, 0, 0) for r in reqs]
-    _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
-    reqs = [c[0] for c in chunks]
-    inp, _ = eng._decode_inputs(reqs)
-    inp = jax.device_put(inp)
-    t0 = time.perf_counter()
-    if batch == 1 and (bool(adapters), eng.opts.lora_backend) not in eng._shapes_seen_bench:
-        ma = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile().memory_analysis()
-        if ma is not None:
-            print(f"  forward_sample B={batch}: temp {ma.temp_size_in_bytes / 2**30:.2f} GiB, "
-                  f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
-                  f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
-        eng._shapes_seen_bench.add((bool(adapters), eng.opts.lora_backend))
-    for _ in range(2):
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
-    res.block_until_ready()
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+    try:
+        chunks = [(r, 0, 0) for r in reqs]
+        _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
+        reqs = [c[0] for c in chunks]
+        inp, _ = eng._decode_inputs(reqs)
+        inp = jax.device_put(inp)
+        t0 = time.perf_counter()
+        if batch == 1 and eng.opts.lora_backend == "xla" and bool(adapters) not in eng._shapes_seen_bench:
+            ma = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile().memory_analysis()
+            if ma is not None:
+                print(f"  forward_sample B={batch}: temp {ma.temp_size_in_bytes / 2**30:.2f} GiB, "
+                      f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
+                      f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
+            eng._shapes_seen_bench.add(bool(adapters))
+        for _ in range(2):
+            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         res.block_until_ready()
-        ts.append(time.perf_counter() - t)
-    for r in reqs:
-        eng._release(r)
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+            res.block_until_ready()
+            ts.append(time.perf_counter() - t)
+    finally:
+        for r in reqs:
+            eng._release(r)
     distinct = {r.adapter.key: r.adapter for r in reqs if r.adapter}
     cfg = llm.cfg
     itemsize = jnp.dtype(llm.dtype).itemsize
@@ -223,7 +225,13 @@ def main() -> None:
             set_backends(llm, pair)
             for b in (int(x) for x in args.batches.split(",")):
                 for ads in ([], names[:min(b, 32)]):
-                    r = bench_decode(llm, b, args.context, ads, args.iters, bw)
+                    try:
+                        r = bench_decode(llm, b, args.context, ads, args.iters, bw)
+                    except Exception as e:  # noqa: BLE001 - a backend that fails is recorded, the rest still run
+                        rows.append({"batch": b, "backends": pair, "error": f"{type(e).__name__}: {e}"[:2000]})
+                        save()
+                        print(f"decode {pair:13s} B={b:4d} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        break
                     rows.append(r)
                     save()
                     print(f"decode {pair:13s} B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
