@@ -16,7 +16,8 @@ Policies (`SchedulerOptions`):
   counts once) and `kv_reserve` times the future KV growth of the running batch and itself fit in
   the pages free or evictable now. kv_reserve=1 is S-LoRA's worst-case reservation (no
   preemption); 0 admits on what is needed now and preempts (recompute) the newest request when
-  decode runs out of pages.
+  decode runs out of pages. With a `RegionPool` (the benchmark's memory baselines) the adapter's
+  pages must fit the adapter region and the KV pages the KV region, each on its own (`pool.budget`).
 - Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
   first), then the rest: by arrival ("fcfs", S-LoRA), or resident adapters first, then larger
   adapter groups, then age ("affinity"). A request of the first two kinds, or any request under
