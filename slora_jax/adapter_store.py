@@ -59,8 +59,11 @@ def _pinned_host(x: np.ndarray):
 
 
 class AdapterStore:
-    def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256):
+    def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
+                 *, pad_to_max_rank: bool = False):
         self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
+        # Lay every adapter out at max_rank on every target module (the padded-slots baseline).
+        self.pad_rank = max_rank if pad_to_max_rank else None
         self.host_cache_size = host_cache_size
         self.entries: dict[str, AdapterEntry] = {}
         self._rows: collections.OrderedDict[tuple, object] = collections.OrderedDict()
@@ -76,7 +79,7 @@ class AdapterStore:
             layout = known.layout
         else:
             adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
-            layout = AdapterLayout.of(adapter, self.cfg, self.page_size)
+            layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
             self._cache(fid, pack_adapter(adapter, layout, self.cfg, self.dtype))
         self._version += 1
         entry = AdapterEntry(name, str(path), self._version, layout, fid)
@@ -98,7 +101,7 @@ class AdapterStore:
             self._rows.move_to_end(entry.file_id)
             return self._rows[entry.file_id]
         adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
-        if AdapterLayout.of(adapter, self.cfg, self.page_size) != entry.layout:
+        if AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank) != entry.layout:
             raise RuntimeError(f"adapter {entry.name!r} changed on disk since it was registered; "
                                "register it again")
         self.disk_loads += 1

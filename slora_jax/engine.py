@@ -20,14 +20,31 @@ import numpy as np
 from slora_jax import paged
 from slora_jax.adapter_store import AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
-from slora_jax.layout import page_rows
+from slora_jax.layout import AdapterLayout, page_rows
 from slora_jax.metrics import EngineMetrics
-from slora_jax.pool import NULL_PAGE, UnifiedPool
+from slora_jax.pool import NULL_PAGE, RegionPool, UnifiedPool
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
 from slora_jax.scheduler import Plan, Request, Scheduler, SchedulerOptions, StepCostModel
 
 __all__ = ["Engine", "EngineOptions", "Request"]
+
+ADAPTER_MEMORY = ("unified", "padded_slots", "separate")
+
+
+def default_backends() -> tuple[str, str]:
+    """(lora_backend, attention_backend) that "auto" resolves to: the fastest measured.
+
+    GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
+    kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
+    "pallas". For LoRA, the engine's decode step paid less for 32 adapters with the XLA one-hot
+    path than with the Pallas or Triton kernels at batch 1-64 (+1.6-1.7 ms against +3-6 ms); Triton
+    was ahead only at batch 256 (+5.0 vs +6.2 ms). So LoRA stays "xla" until the kernels win.
+    CPU: "xla" for both (Pallas runs there only in interpret mode, for tests).
+    """
+    if jax.default_backend() == "gpu":
+        return "xla", "pallas"
+    return "xla", "xla"
 
 
 @dataclasses.dataclass
@@ -38,15 +55,29 @@ class EngineOptions(SchedulerOptions):
     pool_pages: int | None = None          # None: from memory_fraction of free device memory
     memory_fraction: float = 0.85          # of the device memory left after the weights
     max_lora_rank: int = 64
-    lora_backend: str = "xla"
-    attention_backend: str = "xla"
+    lora_backend: str = "auto"             # "auto": see default_backends()
+    attention_backend: str = "auto"
     host_cache_size: int = 256
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
+    # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
+    # "unified": one pool for KV and adapters at their real ranks (S-LoRA);
+    # "padded_slots": `adapter_slots` slots of the pool sized at max_lora_rank on every target
+    # module, the rest KV; the LoRA step always runs over all slots at max_lora_rank (vLLM
+    # --max-loras);
+    # "separate": `adapter_region_pages` pages for adapters (real ranks), the rest KV.
+    adapter_memory: str = "unified"
+    adapter_slots: int | None = None
+    adapter_region_pages: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        auto_lora, auto_attention = default_backends()
+        if self.lora_backend == "auto":
+            self.lora_backend = auto_lora
+        if self.attention_backend == "auto":
+            self.attention_backend = auto_attention
         if self.attention_backend == "triton":
             raise ValueError("attention_backend='triton' is not available (no Triton attention "
                              "kernel); use 'pallas' or 'xla'")
@@ -61,6 +92,17 @@ class EngineOptions(SchedulerOptions):
             reason = unavailable_reason()
             if reason is not None:
                 raise ValueError(f"lora_backend='triton' {reason}; use 'pallas' or 'xla'")
+        mode = self.adapter_memory
+        if mode not in ADAPTER_MEMORY:
+            raise ValueError(f"adapter_memory must be one of {ADAPTER_MEMORY}, got {mode!r}")
+        for name, owner in (("adapter_slots", "padded_slots"), ("adapter_region_pages", "separate")):
+            value = getattr(self, name)
+            if mode == owner:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"adapter_memory={owner!r} needs {name} >= 1, got {value!r}")
+            elif value is not None:
+                raise ValueError(f"{name} is only for adapter_memory={owner!r}, "
+                                 f"not adapter_memory={mode!r}")
 
 
 def _group_by_adapter(chunks: list) -> None:
@@ -86,7 +128,9 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", opts.compilation_cache_dir)
         self.ps = opts.page_size
         num_pages = opts.pool_pages or self._pages_from_budget()
-        self.pool = UnifiedPool(num_pages)
+        self.pool = self._make_pool(num_pages)
+        # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
+        self._lora_slots = opts.adapter_slots if opts.adapter_memory == "padded_slots" else None
         self.kv = paged.empty_pool(cfg, num_pages, self.ps, self.dtype)
         self.clock = clock
         self.metrics = EngineMetrics()
@@ -95,6 +139,24 @@ class Engine:
         self.step_count = 0
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
+
+    def _make_pool(self, num_pages: int) -> UnifiedPool:
+        o = self.opts
+        if o.adapter_memory == "unified":
+            return UnifiedPool(num_pages)
+        if o.adapter_memory == "separate":
+            region, slot = o.adapter_region_pages, None
+        else:
+            if self.store.pad_rank != o.max_lora_rank:
+                raise ValueError("adapter_memory='padded_slots' needs an AdapterStore that lays adapters "
+                                 "out at max_lora_rank (AdapterStore(..., pad_to_max_rank=True))")
+            slot = AdapterLayout.of(None, self.cfg, self.ps, o.max_lora_rank).pages
+            region = o.adapter_slots * slot
+        if region > num_pages - 2:
+            what = f"{o.adapter_slots} slots of {slot} pages" if slot else f"{region} adapter pages"
+            raise ValueError(f"adapter_memory={o.adapter_memory!r}: {what} leave no KV page in a pool of "
+                             f"{num_pages - 1} usable pages")
+        return RegionPool(num_pages, region, slot_pages=slot)
 
     def _pages_from_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}
@@ -123,11 +185,13 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams, adapter: str | None, seed: int,
                     eos_ids: tuple[int, ...]) -> RequestOutput:
         entry = self.store.get(adapter) if adapter is not None else None
-        need = self.kv_pages_for(len(prompt) + params.max_tokens) + (entry.layout.pages if entry else 0)
-        if need > self.pool.total_pages:
-            raise ValueError(f"request needs {need} pages (prompt {len(prompt)} + max_tokens "
+        kv, ad = self.kv_pages_for(len(prompt) + params.max_tokens), (entry.layout.pages if entry else 0)
+        if kv > self.pool.kv_capacity(ad):
+            room = self.pool.total_pages if self.opts.adapter_memory == "unified" else \
+                f"{self.pool.kv_capacity(0)} KV pages and {self.pool.adapter_pages} adapter pages"
+            raise ValueError(f"request needs {kv + ad} pages (prompt {len(prompt)} + max_tokens "
                              f"{params.max_tokens}{' + adapter' if entry else ''}) but the pool has "
-                             f"{self.pool.total_pages}; it can never run")
+                             f"{room}; it can never run")
         rid = new_request_id()
         out = RequestOutput(rid, list(prompt), logprobs=[] if params.logprobs else None, adapter=adapter)
         self.sched.add(Request(rid, list(prompt), len(prompt), params, seed, entry, out,
@@ -254,7 +318,8 @@ class Engine:
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
         if not entries:
             return None
-        sa = _pow2(len(entries))
+        sa = self._lora_slots or _pow2(len(entries))
+        assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
         token_slot = np.full(t, -1, np.int32)
         for i, r in enumerate(token_reqs):

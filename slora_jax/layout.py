@@ -35,11 +35,20 @@ class AdapterLayout:
     pages: int
 
     @staticmethod
-    def of(adapter, cfg: ModelConfig, page_size: int) -> "AdapterLayout":
-        width = cfg.kv_size
+    def of(adapter, cfg: ModelConfig, page_size: int, pad_rank: int | None = None) -> "AdapterLayout":
+        """The adapter's layout at its real ranks, or, with pad_rank, the same layout for every
+        adapter: rank pad_rank on every module of TARGET_MODULES (a fixed-size slot; the rows past
+        the adapter's ranks, and untargeted modules, are zeros)."""
+        if pad_rank is not None:
+            return AdapterLayout.from_ranks({m: pad_rank for m in TARGET_MODULES}, cfg, page_size)
         ranks: dict[str, int] = {}
         for (_, module), w in adapter.weights.items():
             ranks[module] = max(ranks.get(module, 0), w.rank)  # layers share one layout
+        return AdapterLayout.from_ranks(ranks, cfg, page_size)
+
+    @staticmethod
+    def from_ranks(ranks: dict[str, int], cfg: ModelConfig, page_size: int) -> "AdapterLayout":
+        width = cfg.kv_size
         modules, row = {}, 0
         for module in TARGET_MODULES:
             if module not in ranks:

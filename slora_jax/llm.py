@@ -43,7 +43,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
         self._rng = np.random.default_rng(seed)
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
-                                  self.options.max_lora_rank, self.options.host_cache_size)
+                                  self.options.max_lora_rank, self.options.host_cache_size,
+                                  pad_to_max_rank=self.options.adapter_memory == "padded_slots")
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)

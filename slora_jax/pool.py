@@ -6,6 +6,11 @@ refcounted by the running requests that use them; an idle adapter stays resident
 evicted, least recently used first, only when pages are short.
 
 Page 0 is the null page: never handed out, it absorbs the writes and reads of padded rows.
+
+`RegionPool` is the same allocator with the pages split in two fixed regions, for the benchmark's
+memory baselines: adapters only in one (evicting idle adapters inside it, or waiting), KV only in
+the other (never evicting adapters: the scheduler preempts). With `slot_pages` every adapter takes
+exactly that many pages, so the region is `region_pages // slot_pages` fixed-size slots.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class UnifiedPool:
             raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved), got {total_pages}")
         self.total_pages = total_pages - 1  # usable pages; page 0 is the null page
         self._free: list[int] = list(range(total_pages - 1, 0, -1))
+        self._afree = self._free  # adapters take from (and give back to) the same free list
         self.kv: dict[Hashable, list[int]] = {}
         self.adapters: dict[Hashable, list[int]] = {}
         self.refs: dict[Hashable, int] = {}
@@ -47,14 +53,32 @@ class UnifiedPool:
 
     @property
     def adapter_pages(self) -> int:
+        """Pages holding adapter weights (RegionPool: the pages reserved for them)."""
+        return sum(map(len, self.adapters.values()))
+
+    @property
+    def resident_pages(self) -> int:
+        """Pages holding adapter weights."""
         return sum(map(len, self.adapters.values()))
 
     def evictable_pages(self) -> int:
         return sum(len(self.adapters[k]) for k in self._idle)
 
     def available(self) -> int:
-        """Pages that could be had right now, evicting idle adapters if needed."""
+        """Pages KV could have right now, evicting idle adapters if needed."""
         return len(self._free) + self.evictable_pages()
+
+    def adapter_available(self) -> int:
+        """Pages an adapter could have right now, evicting idle adapters if needed."""
+        return len(self._afree) + self.evictable_pages()
+
+    def budget(self, extra_kv: int = 0) -> "Budget":
+        """What admissions may take now (plus `extra_kv` pages about to be freed by KV)."""
+        return Budget(self.available() + extra_kv)
+
+    def kv_capacity(self, adapter_pages: int) -> int:
+        """KV pages one request could ever have next to an adapter of `adapter_pages` pages."""
+        return self.total_pages - adapter_pages
 
     def _take(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -63,16 +87,21 @@ class UnifiedPool:
         del self._free[len(self._free) - n:]
         return pages
 
+    def _take_adapter(self, n: int) -> list[int]:
+        return self._take(n)
+
     def _evict_until(self, n: int) -> None:
-        if n > self.available():
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free and {self.evictable_pages()} evictable")
-        while len(self._free) < n:
+        """Evict idle adapters, least recently used first, until the adapters' free list (the
+        only free list of a UnifiedPool) holds n pages; all or nothing."""
+        if n > self.adapter_available():
+            raise OutOfPages(f"need {n} pages, {len(self._afree)} free and {self.evictable_pages()} evictable")
+        while len(self._afree) < n:
             key, _ = self._idle.popitem(last=False)
             self._release_pages(key)
             self.evictions += 1
 
     def _release_pages(self, key) -> None:
-        self._free.extend(reversed(self.adapters.pop(key)))
+        self._afree.extend(reversed(self.adapters.pop(key)))
         self.refs.pop(key, None)
         self.pins.pop(key, None)
         self._idle.pop(key, None)
@@ -111,7 +140,7 @@ class UnifiedPool:
                 self.refs[key] += 1
             self._idle.pop(key, None)
             return self.adapters[key], False
-        pages = self._take(n_pages)
+        pages = self._take_adapter(n_pages)
         self.adapters[key] = pages
         self.refs[key] = 1
         return pages, True
@@ -175,7 +204,7 @@ class UnifiedPool:
                 for p in pages:
                     assert p not in owners, f"page {p} owned by {owners[p]} and {kind}:{key}"
                     owners[p] = f"{kind}:{key}"
-        for p in self._free:
+        for p in self._free + (self._afree if self._afree is not self._free else []):
             assert p not in owners, f"free page {p} also owned by {owners[p]}"
             owners[p] = "free"
         assert NULL_PAGE not in owners, "the null page was handed out"
@@ -186,3 +215,93 @@ class UnifiedPool:
             assert n >= 0 and key in self.adapters
         for key, n in self.pins.items():
             assert 0 < n <= self.refs.get(key, 0), f"adapter {key} has {n} pins and {self.refs.get(key)} refs"
+
+
+class Budget:
+    """Pages that admissions may still take in one scheduling pass: one count for KV and adapters."""
+    __slots__ = ("pages",)
+
+    def __init__(self, pages: int):
+        self.pages = pages
+
+    def fits(self, kv: int, adapter: int) -> bool:
+        return kv + adapter <= self.pages
+
+    def take(self, kv: int, adapter: int) -> None:
+        self.pages -= kv + adapter
+
+
+class SplitBudget:
+    """RegionPool's: KV and adapter pages counted apart."""
+    __slots__ = ("kv", "adapter")
+
+    def __init__(self, kv: int, adapter: int):
+        self.kv, self.adapter = kv, adapter
+
+    def fits(self, kv: int, adapter: int) -> bool:
+        return kv <= self.kv and adapter <= self.adapter
+
+    def take(self, kv: int, adapter: int) -> None:
+        self.kv -= kv
+        self.adapter -= adapter
+
+
+class RegionPool(UnifiedPool):
+    """Pages 1..region_pages hold adapter weights only, the rest KV only (see the module doc).
+
+    `adapter_pages` is the region's size, reserved whether or not adapters fill it (so free +
+    kv + adapter pages = total, as in the unified pool); `resident_pages` is what they fill."""
+
+    def __init__(self, total_pages: int, region_pages: int, slot_pages: int | None = None):
+        super().__init__(total_pages)
+        if not 1 <= region_pages <= self.total_pages - 1:
+            raise ValueError(f"the adapter region must hold 1 to {self.total_pages - 1} of the pool's "
+                             f"{self.total_pages} usable pages (at least one is left for KV), got {region_pages}")
+        if slot_pages is not None and not 1 <= slot_pages <= region_pages:
+            raise ValueError(f"slot_pages must be in [1, {region_pages}], got {slot_pages}")
+        self.region_pages = region_pages
+        self.slot_pages = slot_pages
+        self.max_adapters = region_pages // slot_pages if slot_pages else None
+        self._free = list(range(total_pages - 1, region_pages, -1))   # KV
+        self._afree = list(range(region_pages, 0, -1))                 # adapters
+
+    @property
+    def adapter_pages(self) -> int:
+        return self.region_pages
+
+    def available(self) -> int:
+        """KV pages free now: KV never evicts adapters."""
+        return len(self._free)
+
+    def budget(self, extra_kv: int = 0) -> SplitBudget:
+        return SplitBudget(len(self._free) + extra_kv, self.adapter_available())
+
+    def kv_capacity(self, adapter_pages: int) -> int:
+        return self.total_pages - self.region_pages if adapter_pages <= self.region_pages else -1
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, {len(self._free)} free (adapters are not evicted for KV)")
+        return super()._take(n)
+
+    def _take_adapter(self, n: int) -> list[int]:
+        if self.slot_pages is not None and n != self.slot_pages:
+            raise ValueError(f"every adapter takes one slot of {self.slot_pages} pages, asked for {n}")
+        self._evict_until(n)
+        pages = self._afree[-n:] if n else []
+        del self._afree[len(self._afree) - n:]
+        return pages
+
+    def check(self) -> None:
+        super().check()
+        region = self.region_pages
+        assert all(1 <= p <= region for p in self._afree), "a free adapter page outside the region"
+        assert all(p > region for p in self._free), "a free KV page inside the adapter region"
+        for key, pages in self.adapters.items():
+            assert all(1 <= p <= region for p in pages), f"adapter {key} outside the region"
+            if self.slot_pages is not None:
+                assert len(pages) == self.slot_pages, f"adapter {key} is not one slot"
+        for rid, pages in self.kv.items():
+            assert all(p > region for p in pages), f"KV of {rid} inside the adapter region"
+        if self.max_adapters is not None:
+            assert len(self.adapters) <= self.max_adapters

@@ -16,7 +16,8 @@ Policies (`SchedulerOptions`):
   counts once) and `kv_reserve` times the future KV growth of the running batch and itself fit in
   the pages free or evictable now. kv_reserve=1 is S-LoRA's worst-case reservation (no
   preemption); 0 admits on what is needed now and preempts (recompute) the newest request when
-  decode runs out of pages.
+  decode runs out of pages. With a `RegionPool` (the benchmark's memory baselines) the adapter's
+  pages must fit the adapter region and the KV pages the KV region, each on its own (`pool.budget`).
 - Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
   first), then the rest: by arrival ("fcfs", S-LoRA), or resident adapters first, then larger
   adapter groups, then age ("affinity"). A request of the first two kinds, or any request under
@@ -319,13 +320,13 @@ class Scheduler:
     def _growth(self, req: Request, pages_now: int) -> int:
         return max(0, self.kv_pages_for(req.prompt_len + req.params.max_tokens) - pages_now)
 
-    def _need(self, entry, end: int, claimed: set) -> int:
-        """Pages that admitting a request with this adapter and first chunk takes from `available`."""
-        need = self.kv_pages_for(end)
+    def _need(self, entry, end: int, claimed: set) -> tuple[int, int]:
+        """(KV pages, adapter pages) that admitting a request with this adapter and first chunk
+        takes from the pool's budget."""
         if entry is not None and entry.key not in claimed and \
                 (not self.pool.is_resident(entry.key) or self.pool.is_idle(entry.key)):
-            need += entry.layout.pages  # taken, or no longer evictable
-        return need
+            return self.kv_pages_for(end), entry.layout.pages  # taken, or no longer evictable
+        return self.kv_pages_for(end), 0
 
     def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
                     leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
@@ -337,7 +338,7 @@ class Scheduler:
         staying = [r for r in self.running if id(r) not in gone_ids]
         batch = {r.adapter.key for r in staying if r.adapter is not None}
         claimed: set = set()            # dry run: adapters already counted
-        avail = pool.available() + sum(len(pool.kv.get(r.rid, ())) for r in leaving)
+        avail = pool.budget(sum(len(pool.kv.get(r.rid, ())) for r in leaving))
         reserve = sum(self._growth(r, len(pool.kv.get(r.rid, ()))) for r in staying) \
             if o.kv_reserve else 0
         running = len(staying)
@@ -361,16 +362,19 @@ class Scheduler:
                 continue
             end = min(len(req.tokens), budget)
             grow = self._growth(req, self.kv_pages_for(end)) if o.kv_reserve else 0
-            fits = self._need(entry, end, claimed) + math.ceil(o.kv_reserve * (reserve + grow)) <= avail
+            kv, ad = self._need(entry, end, claimed)
+            held = math.ceil(o.kv_reserve * (reserve + grow))
+            fits = avail.fits(kv + held, ad)
             if not fits and not dry and (fcfs or urgent) and self.drop_pins():
-                avail = pool.available()
-                fits = self._need(entry, end, claimed) + math.ceil(o.kv_reserve * (reserve + grow)) <= avail
+                avail = pool.budget()
+                kv, ad = self._need(entry, end, claimed)
+                fits = avail.fits(kv + held, ad)
             if not fits:
                 if fcfs or urgent:
                     break  # nobody younger takes the pages this request waits for
                 continue
             if dry:
-                avail -= self._need(entry, end, claimed)
+                avail.take(kv, ad)
                 claimed.add(key)
             else:
                 req.adapter = entry
@@ -379,7 +383,7 @@ class Scheduler:
                 if not self.grow(req, end):
                     self.release(req)
                     break
-                avail = pool.available()
+                avail = pool.budget()
             reserve += grow
             if key is not None:
                 batch.add(key)
@@ -551,7 +555,7 @@ class Scheduler:
                 break
             if self.pool.is_resident(e.key) or self.pool.is_doomed(e.key):
                 continue
-            if self.pool.available() - e.layout.pages < headroom:
+            if not self.pool.budget().fits(headroom, e.layout.pages):
                 break
             pages, _ = self.pool.pin_adapter(e.key, e.layout.pages)
             self._prefetched[e.key] = _Prefetched(e, self.steps)

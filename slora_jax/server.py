@@ -179,14 +179,14 @@ class _Limits:
     def __init__(self, llm):
         self.max_model_len = llm.max_model_len
         self.vocab = llm.cfg.vocab_size
-        self.pool_pages = llm.engine.pool.total_pages
+        self.pool = llm.engine.pool
         self.kv_pages_for = llm.engine.kv_pages_for
         self.store = llm.store
 
     def max_new_tokens(self, prompt_len: int, adapter: str | None) -> int:
         """The most tokens a prompt may ask for: the context length, and what fits the pool alone."""
         entry = self.store.entries.get(adapter) if adapter else None
-        pages = self.pool_pages - (entry.layout.pages if entry else 0)
+        pages = self.pool.kv_capacity(entry.layout.pages if entry else 0)
         lo, hi = 0, max(self.max_model_len - prompt_len, 0)
         while lo < hi:  # the largest n with kv_pages_for(prompt_len + n) <= pages
             mid = (lo + hi + 1) // 2

@@ -180,6 +180,20 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert "throughput req/s" in run.table(result)
 
 
+@pytest.mark.parametrize("mode, flags, reserved", [
+    ("separate", ["--adapter-region-pages", "12"], 12),  # same step shapes as the unified run
+    ("padded", ["--adapter-slots", "2"], 18),             # 2 slots of 9 pages (rank 8, every module)
+])
+def test_run_py_memory_baselines(s1_cpu, mode, flags, reserved):
+    result = run.main(["--workload", "S1-cpu", "--mode", mode, "--no-requests", *flags])
+    m, p = result["metrics"], result["pool"]
+    assert result["engine_options"]["adapter_memory"] == {"padded": "padded_slots"}.get(mode, mode)
+    assert m["completed"] == m["num_requests"] and m["unfinished"] == 0
+    assert result["pool_at_start"]["adapter_pages"] == reserved
+    if mode == "padded":
+        assert p["resident_adapters_max"] <= 2
+
+
 def test_plots_from_run_jsons(s1_cpu, tmp_path):
     result, out = s1_cpu
     base = json.loads(out.read_text())

@@ -376,3 +376,141 @@ def test_failed_adapter_load_leaves_nothing_behind(paths):
     engine = _failed_load(paths)
     assert not engine.engine.has_unfinished()
     assert_drained(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark's memory baselines (EngineOptions.adapter_memory; bench/RESULTS.md, "Engine hooks"):
+# "padded_slots" (fixed slots at max_lora_rank, like vLLM --max-loras) and "separate" (an adapter
+# region and a KV region). Same tokens as the reference; different memory behaviour.
+
+PADDED_RANK = 16  # the largest rank of W's adapters ("c")
+
+
+def padded_slot_pages(page_size):
+    return AdapterLayout.of(None, CFG, page_size, PADDED_RANK).pages
+
+
+def watch_pool(engine, check):
+    """Run check(engine) after every step (and pool.check())."""
+    step = engine.engine.step
+
+    def checked_step():
+        finished = step()
+        engine.engine.pool.check()
+        check(engine.engine)
+        return finished
+    engine.engine.step = checked_step
+
+
+def test_padded_slots_fewer_than_adapters_match_reference(paths, ref):
+    # Two slots for W's four adapters: requests wait for a slot, idle slots are evicted.
+    slots = 2
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, max_lora_rank=PADDED_RANK,
+                      adapter_memory="padded_slots", adapter_slots=slots, max_num_seqs=2)  # few shapes
+    region = slots * padded_slot_pages(16)
+    seen = []
+
+    def check(e):
+        pool = e.pool
+        seen.append(len(pool.adapters))
+        assert len(pool.adapters) <= slots
+        assert all(len(p) == padded_slot_pages(16) for p in pool.adapters.values())
+        assert all(p > region for pages in pool.kv.values() for p in pages)
+        assert len({r.adapter.key for r in e.running if r.adapter is not None}) <= slots
+    watch_pool(engine, check)
+    # Every adapter is laid out at the max rank on every module, whatever its own rank.
+    layout = engine.store.get("d").layout
+    assert set(layout.modules) == set(engine.store.get("c").layout.modules) and \
+        {m.rank for m in layout.modules.values()} == {PADDED_RANK}
+    outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
+    assert_same(outs, ref["old"])
+    st = engine.stats()
+    assert max(seen) == slots and st["evictions"] >= 2, (seen, st)
+    assert st["adapter_pages"] == region and st["total_pages"] == BIG - 1
+    assert_drained(engine)
+
+
+def test_padded_slots_lora_runs_over_every_slot_at_max_rank(paths):
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, max_lora_rank=PADDED_RANK,
+                      adapter_memory="padded_slots", adapter_slots=3)
+    e = engine.engine
+    e.add_request(W_PROMPTS[1], SP, "b", 0, ())
+    plan = e.sched.schedule()
+    e._write_adapters(plan.loads)
+    lora = e._lora_inputs([plan.requests[0]] * 2, 2)
+    assert set(lora.rows) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for module, (a, b) in lora.rows.items():
+        assert a.shape[0] == b.shape[0] == 3  # the bucket is every slot, one adapter or not
+        assert list(lora.ranks[module]) == [PADDED_RANK, 0, 0]
+    assert lora.max_rank == PADDED_RANK
+    for req in list(e.running):
+        e.abort(req.rid)
+
+
+def test_separate_region_kv_preempts_never_evicts(paths, ref):
+    # tight_pool's pages, of which the adapters' region holds all four adapters: KV pressure
+    # preempts requests (as in test_kv_starved_pool_preempts) and never touches the region.
+    region = sum(pages_of(paths, n, 4) for n in "abcd")
+    engine = make_llm(paths, page_size=4, pool_pages=tight_pool(paths), adapter_memory="separate",
+                      adapter_region_pages=region)
+    watch_pool(engine, lambda e: None)
+    outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
+    assert_same(outs, ref["old"])
+    st = engine.stats()
+    assert st["preempted"] > 0 and st["evictions"] == 0, st
+    assert st["adapter_pages"] == region and st["free_pages"] == st["total_pages"] - region
+    assert_drained(engine)
+
+
+def test_separate_small_region_evicts_idle_adapters_only(paths, ref):
+    # small_pool's pages (as test_pool_too_small_for_all_adapters_evicts_and_reloads), the region
+    # with room for one of the twins "a" and "a2" and the rest for KV: a request for the other twin
+    # waits for the region, idle twins are evicted; one in use never is, and KV never takes a
+    # region page.
+    region = pages_of(paths, "a", 16)
+    engine = make_llm(paths, ADAPTERS, page_size=16, pool_pages=small_pool(paths), adapter_memory="separate",
+                      adapter_region_pages=region)
+    held: dict = {}
+
+    def check(e):
+        pool = e.pool
+        assert pool.resident_pages <= region and len(pool.adapters) <= 1
+        assert all(p > region for ps in pool.kv.values() for p in ps)
+        for r in e.running:
+            if r.holds_adapter:  # the pages it was admitted with are still its adapter's
+                pages = held.setdefault(r.rid, list(pool.adapters[r.adapter.key]))
+                assert pool.adapters[r.adapter.key] == pages, f"{r.adapter.key} moved while in use"
+    watch_pool(engine, check)
+    run_alternating(engine, ref)
+    st = engine.stats()
+    assert st["evictions"] >= 4, st
+    assert_drained(engine)
+    # An adapter bigger than the whole region can never run.
+    with pytest.raises(ValueError, match="can never run"):
+        engine.generate(W_PROMPTS[:1], SP, adapter="c")
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(adapter_memory="paged"), "adapter_memory must be one of"),
+    (dict(adapter_memory="padded_slots"), "needs adapter_slots >= 1"),
+    (dict(adapter_memory="padded_slots", adapter_slots=0), "needs adapter_slots >= 1"),
+    (dict(adapter_memory="separate"), "needs adapter_region_pages >= 1"),
+    (dict(adapter_memory="separate", adapter_region_pages=-3), "needs adapter_region_pages >= 1"),
+    (dict(adapter_slots=4), "adapter_slots is only for adapter_memory='padded_slots'"),
+    (dict(adapter_region_pages=8), "adapter_region_pages is only for adapter_memory='separate'"),
+    (dict(adapter_memory="separate", adapter_region_pages=8, adapter_slots=2), "adapter_slots is only"),
+    (dict(adapter_memory="padded_slots", adapter_slots=2, adapter_region_pages=8), "adapter_region_pages is only"),
+])
+def test_bad_adapter_memory_options(options, match):
+    from slora_jax.engine import EngineOptions
+    with pytest.raises(ValueError, match=match):
+        EngineOptions(**options)
+
+
+def test_adapter_regions_that_leave_no_kv_are_refused(paths):
+    with pytest.raises(ValueError, match="leave no KV page"):
+        make_llm(paths, (), page_size=16, pool_pages=10, adapter_memory="separate", adapter_region_pages=9)
+    with pytest.raises(ValueError, match="leave no KV page"):
+        make_llm(paths, (), page_size=16, pool_pages=BIG, max_lora_rank=PADDED_RANK,
+                 adapter_memory="padded_slots", adapter_slots=4)  # 4 * 18 pages > 63

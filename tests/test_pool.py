@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from slora_jax.pool import NULL_PAGE, OutOfPages, UnifiedPool
+from slora_jax.pool import NULL_PAGE, OutOfPages, RegionPool, UnifiedPool
 
 NAMES = ("a", "b", "c", "d")
 HAS_PINS = hasattr(UnifiedPool, "pin_adapter")  # prefetch pins: references no request holds yet
@@ -23,7 +23,7 @@ HAS_DISCARD = hasattr(UnifiedPool, "discard_adapter")  # undo of an allocation w
 
 def snapshot(pool: UnifiedPool):
     """Everything observable about the pool's state (used to prove a failed call changed nothing)."""
-    return (pool.free_pages, sorted(pool._free), {k: list(v) for k, v in pool.kv.items()},
+    return (pool.free_pages, sorted(pool._free), sorted(pool._afree), {k: list(v) for k, v in pool.kv.items()},
             {k: list(v) for k, v in pool.adapters.items()}, dict(pool.refs), list(pool._idle),
             set(pool._doomed), dict(getattr(pool, "pins", {})), pool.evictions)
 
@@ -31,10 +31,10 @@ def snapshot(pool: UnifiedPool):
 class PoolMachine(RuleBasedStateMachine):
     """Model: KV pages per request, resident adapters with their pages, refs, LRU idle order."""
 
-    @initialize(total=st.integers(min_value=2, max_value=24))
-    def setup(self, total):
-        self.pool = UnifiedPool(total)
-        self.usable = total - 1
+    @initialize(total=st.integers(min_value=2, max_value=24), split=st.integers(0, 23))
+    def setup(self, total, split):
+        self.pool = self.new_pool(total, split)
+        self.usable = self.pool.total_pages
         self.kv: dict[int, list[int]] = {}                # rid -> its pages, in order
         self.req_adapter: dict[int, tuple | None] = {}    # running rid -> the adapter key it holds
         self.waiting: list[tuple[int, tuple | None]] = []  # preempted: (rid, adapter name or None)
@@ -49,19 +49,30 @@ class PoolMachine(RuleBasedStateMachine):
         self.evictions = 0
         self.next_rid = 0
 
+    def new_pool(self, total: int, split: int) -> UnifiedPool:
+        return UnifiedPool(total)
+
+    def pages_for(self, pages: int) -> int:
+        """The pages an adapter drawn with `pages` pages takes."""
+        return pages
+
     # -- model helpers -------------------------------------------------------------------------
 
     def free(self) -> int:
         return self.usable - sum(map(len, self.kv.values())) - sum(map(len, self.resident.values()))
 
+    def adapter_free(self) -> int:
+        return self.free()
+
     def evictable(self) -> int:
         return sum(len(self.resident[k]) for k in self.idle)
 
-    def expect_take(self, n: int) -> bool:
-        """Predict _take(n): False if it must fail; else apply the LRU evictions it must do."""
-        if n > self.free() + self.evictable():
+    def expect_take(self, n: int, kind: str) -> bool:
+        """Predict taking n pages for `kind` ("kv" or "adapter"): False if it must fail; else
+        apply the LRU evictions it must do."""
+        if n > self.adapter_free() + self.evictable():
             return False
-        while self.free() < n:
+        while self.adapter_free() < n:
             key = self.idle.pop(0)
             del self.resident[key]
             del self.refs[key]
@@ -80,7 +91,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def key_of(self, name: str, pages: int) -> tuple:
         key = (name, self.version[name])
-        self.size.setdefault(key, pages)
+        self.size.setdefault(key, self.pages_for(pages))
         return key
 
     def acquire(self, key: tuple) -> bool:
@@ -92,7 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert not new and pages == self.resident[key]
             self.expect_acquire_resident(key)
             return True
-        if not self.expect_take(n):
+        if not self.expect_take(n, "adapter"):
             with pytest.raises(OutOfPages):
                 self.pool.acquire_adapter(key, n)
             assert snapshot(self.pool) == before, "a failed acquire_adapter changed the pool"
@@ -116,7 +127,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def grow(self, rid: int, n: int) -> bool:
         before = snapshot(self.pool)
-        if not self.expect_take(n):
+        if not self.expect_take(n, "kv"):
             with pytest.raises(OutOfPages):
                 self.pool.grow_kv(rid, n)
             assert snapshot(self.pool) == before, "a failed grow_kv changed the pool"
@@ -213,7 +224,7 @@ class PoolMachine(RuleBasedStateMachine):
                 del self.refs[old]
                 self.idle.remove(old)
         self.version[name] += 1
-        self.size[(name, self.version[name])] = pages
+        self.size[(name, self.version[name])] = self.pages_for(pages)
 
     @precondition(lambda self: any(k in self.resident for k in self.dropped))
     @rule(data=st.data())
@@ -237,7 +248,7 @@ class PoolMachine(RuleBasedStateMachine):
         if key in self.resident:
             self.pool.pin_adapter(key, n)
             self.expect_acquire_resident(key)
-        elif self.expect_take(n):
+        elif self.expect_take(n, "adapter"):
             pages, new = self.pool.pin_adapter(key, n)
             assert new and len(pages) == n
             self.resident[key] = list(pages)
@@ -310,14 +321,85 @@ class PoolMachine(RuleBasedStateMachine):
         assert not any(k in pool.adapters for k in self.dropped), "a stale version outlived its users"
         pool.evict_idle()
         pool.check()
-        assert pool.free_pages == pool.total_pages
-        assert pool.kv_pages == 0 and pool.adapter_pages == 0
+        assert pool.free_pages + (pool.adapter_pages if isinstance(pool, RegionPool) else 0) == pool.total_pages
+        assert pool.kv_pages == 0 and pool.resident_pages == 0
         assert not pool.adapters and not pool.refs and not pool.kv
 
 
 PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestPoolMachine = PoolMachine.TestCase
+
+
+class RegionPoolMachine(PoolMachine):
+    """The same rules on a RegionPool (the "separate" baseline): adapters only in pages
+    1..region, evicting idle ones there; KV only in the rest, never evicting. pool.check() also
+    proves that no page crossed the split."""
+
+    def new_pool(self, total: int, split: int) -> UnifiedPool:
+        total = max(total, 3)
+        return RegionPool(total, 1 + split % (total - 2))
+
+    def free(self) -> int:  # KV pages free (pool.free_pages)
+        return self.usable - self.pool.region_pages - sum(map(len, self.kv.values()))
+
+    def adapter_free(self) -> int:
+        return self.pool.region_pages - sum(map(len, self.resident.values()))
+
+    def expect_take(self, n: int, kind: str) -> bool:
+        if kind == "kv":
+            return n <= self.free()
+        return super().expect_take(n, kind)
+
+    @invariant()
+    def split_accounting(self):
+        pool = self.pool
+        assert pool.adapter_pages == pool.region_pages
+        assert pool.resident_pages + pool.adapter_available() - pool.evictable_pages() == pool.region_pages
+        assert pool.kv_pages + pool.free_pages == pool.total_pages - pool.region_pages
+
+
+class SlotPoolMachine(RegionPoolMachine):
+    """RegionPool with fixed-size slots (the "padded_slots" baseline): every adapter takes one
+    slot, so at most region // slot_pages are resident."""
+
+    def new_pool(self, total: int, split: int) -> UnifiedPool:
+        slot, slots = 1 + split % 3, 1 + (split // 3) % 3
+        return RegionPool(max(total, slot * slots + 2), slot * slots, slot_pages=slot)
+
+    def pages_for(self, pages: int) -> int:
+        return self.pool.slot_pages
+
+
+for _machine in (RegionPoolMachine, SlotPoolMachine):
+    _machine.TestCase.settings = PoolMachine.TestCase.settings
+TestRegionPoolMachine = RegionPoolMachine.TestCase
+TestSlotPoolMachine = SlotPoolMachine.TestCase
+
+
+def test_region_pool_keeps_kv_and_adapters_apart():
+    pool = RegionPool(1 + 10, 4)
+    assert pool.adapter_pages == 4 and pool.free_pages == 6 and pool.available() == 6
+    pages, _ = pool.acquire_adapter("A", 3)
+    assert max(pages) <= 4
+    pool.release_adapter("A")  # idle: KV still cannot have its pages
+    with pytest.raises(OutOfPages):
+        pool.grow_kv("r", 7)
+    assert pool.is_resident("A") and pool.evictions == 0
+    assert min(pool.grow_kv("r", 6)) > 4
+    with pytest.raises(OutOfPages):
+        pool.acquire_adapter("B", 5)  # bigger than the region
+    pool.acquire_adapter("B", 4)  # evicts idle A inside the region
+    assert not pool.is_resident("A") and pool.evictions == 1
+    with pytest.raises(OutOfPages):
+        pool.acquire_adapter("C", 1)  # B is held: waits
+    assert pool.kv_capacity(4) == 6 and pool.kv_capacity(5) == -1
+    pool.check()
+    slots = RegionPool(1 + 10, 6, slot_pages=3)
+    with pytest.raises(ValueError, match="one slot of 3 pages"):
+        slots.acquire_adapter("A", 2)
+    with pytest.raises(ValueError, match="adapter region"):
+        RegionPool(1 + 10, 10)
 
 
 # ------------------------------------------------------------------------------------------------
