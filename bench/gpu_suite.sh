@@ -160,7 +160,22 @@ for cv in 2 4 8; do
     --cv "$cv" --duration-s 60
 done
 
-# 7. Plots and the summary table, from whatever is there.
+# 7. The scheduler (issue 5), S2 at n = 1000: TTFT of requests whose adapter was cold vs warm, with
+#    prefetch on and off (target: prefetch hides >= 80% of the cold-load cost), then SLO attainment
+#    under overload with early abort vs FCFS at cv = 1, 4, 8 (OVERLOAD_RATE: about twice what the
+#    engine sustains on S2; the S2 parts above say what that is).
+part S2-n1000-R$SWEEP_RATE-prefetch-on  330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$SWEEP_RATE" --duration-s 40
+part S2-n1000-R$SWEEP_RATE-prefetch-off 330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$SWEEP_RATE" --duration-s 40 \
+  --engine prefetch_adapters=0
+OVERLOAD=${OVERLOAD_RATE:-60}
+for cv in 1 4 8; do
+  part "S2-n1000-R$OVERLOAD-cv$cv-abort" 330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$OVERLOAD" --cv "$cv" \
+    --duration-s 30 --early-abort
+  part "S2-n1000-R$OVERLOAD-cv$cv-fcfs"  330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$OVERLOAD" --cv "$cv" \
+    --duration-s 30 --no-early-abort --engine admission_order=fcfs
+done
+
+# 8. Plots and the summary table, from whatever is there.
 if (( ! LIST )) && selected plots; then
   "$PY" bench/plots.py "$RES" > "$RES/plots.log" 2>&1 || echo "[suite] plots failed: see $RES/plots.log"
   sync_out

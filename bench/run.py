@@ -78,6 +78,7 @@ class Record:
     finish_s: float | None = None
     tokens: int = 0
     finish_reason: str | None = None     # length | stop | abort | rejected | cutoff
+    cold: bool | None = None             # its adapter was not resident in the pool when it arrived
 
     @property
     def ttft(self) -> float | None:
@@ -228,6 +229,9 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
             now = time.perf_counter() - t0
             while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
                 rec = recs[nxt]
+                if rec.adapter is not None:
+                    entry = eng.store.entries.get(rec.adapter)
+                    rec.cold = entry is None or entry.key not in eng.pool.adapters
                 try:
                     out = eng.add_request(prompts[nxt], _sampling(w, rec.output_len), rec.adapter, nxt, eos)
                     no_token[nxt] = live[nxt] = out
@@ -326,7 +330,21 @@ def summarize(recs: list[Record], slo_s: float, wall_s: float) -> dict:
         "ttft_avg_s": float(ttfts.mean()) if len(ttfts) else None,
         "ttft_p50_s": pct(ttfts, 50), "ttft_p90_s": pct(ttfts, 90), "ttft_p99_s": pct(ttfts, 99),
         "slo_s": slo_s, "slo_attainment": hits / len(recs) if recs else 0.0,
+        **cold_warm_ttft(recs),
     }
+
+
+def cold_warm_ttft(recs: list[Record]) -> dict:
+    """TTFT of adapter requests split by whether their adapter was resident when they arrived
+    (warm) or had to be paged in (cold): prefetch exists to bring the cold ones close to warm."""
+    out = {}
+    for name, want in (("cold", True), ("warm", False)):
+        t = np.array([r.ttft for r in recs if r.cold is want and r.ttft is not None
+                      and r.finish_reason not in ("abort", "rejected")])
+        out[f"ttft_{name}_n"] = int(len(t))
+        out[f"ttft_{name}_p50_s"] = float(np.percentile(t, 50)) if len(t) else None
+        out[f"ttft_{name}_p99_s"] = float(np.percentile(t, 99)) if len(t) else None
+    return out
 
 
 def _fmt(v) -> str:
@@ -348,6 +366,10 @@ def table(result: dict) -> str:
             ("TTFT p99 s", m["ttft_p99_s"]), (f"SLO attainment (<= {m['slo_s']} s)", m["slo_attainment"]),
             ("completed / aborted / unfinished", f"{m['completed']} / {m['aborted']} / {m['unfinished']}"),
             ("wall s", m["wall_s"])]
+    for kind in ("cold", "warm"):
+        if m.get(f"ttft_{kind}_n"):
+            rows.append((f"TTFT {kind} adapter p50 / p99 s (n)",
+                         f"{m[f'ttft_{kind}_p50_s']:.3f} / {m[f'ttft_{kind}_p99_s']:.3f} ({m[f'ttft_{kind}_n']})"))
     if "resident_adapters_max" in p:
         rows += [("resident adapters max / mean", f"{p['resident_adapters_max']} / {p['resident_adapters_mean']:.1f}"),
                  ("pool share of adapters mean / max",

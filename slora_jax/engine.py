@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from slora_jax import paged
 from slora_jax.adapter_store import AdapterEntry, AdapterStore
@@ -272,6 +273,52 @@ class Engine:
         # neither says how long such a step takes.
         timed = not first_run and t_pre < 0.5 * seconds
         return plan.finished + self.sched.complete(plan, results, seconds if timed else None)
+
+    def warmup_shapes(self, max_context: int | None = None) -> list[paged.StepInputs]:
+        """Null step inputs for the base-model buckets a server meets first: decode at every batch
+        bucket (powers of two up to max_num_seqs) times every page-table bucket up to max_context
+        tokens, and prefill of one fresh prompt of any length up to max_prefill_tokens. Every
+        read and write of these inputs goes to the null page. LoRA buckets (distinct adapters x
+        target modules) are not in the set: they compile on first use."""
+        o = self.opts
+        ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
+        shapes = []
+        s = 1
+        while s <= _pow2(o.max_num_seqs):
+            p = 1
+            while p <= _pow2(self.kv_pages_for(ctx)):
+                shapes.append(self._null_inputs(s, s, p, decode=True))
+                p *= 2
+            s *= 2
+        # One fresh prompt of n tokens runs at (tokens, page table) = (pow2(n, 16), pow2(pages(n))).
+        for t, p in sorted({(_pow2(n, 16), _pow2(self.kv_pages_for(n)))
+                            for n in range(1, min(o.max_prefill_tokens, ctx) + 1)}):
+            shapes.append(self._null_inputs(t, 1, p, decode=False))
+        return shapes
+
+    def _null_inputs(self, t: int, s: int, p: int, decode: bool) -> paged.StepInputs:
+        zeros = np.zeros(t, np.int32)
+        return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
+                                token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
+                                page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
+                                sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),
+                                lora=None, decode=decode, attention_backend=self.opts.attention_backend,
+                                **self._sampling_arrays([], s))
+
+    def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
+        """Compile (and run once, on the null page) every shape of `warmup_shapes`, with a progress
+        bar; with the persistent compilation cache a restart loads them instead. Returns how many."""
+        shapes = self.warmup_shapes(max_context)
+        bar = tqdm(shapes, desc="compiling step buckets", unit="shape", disable=not progress)
+        for inp in bar:
+            kind = "decode" if inp.decode else "prefill"
+            bar.set_postfix_str(f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}")
+            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
+            self._shapes.add((kind, jax.tree_util.tree_structure(inp),
+                              tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
+        if shapes:
+            np.asarray(results)
+        return len(shapes)
 
     def _inputs(self, plan: Plan):
         if plan.kind == "prefill":

@@ -49,6 +49,10 @@ class LLM:
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
 
+    def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
+        """Compile the base-model step buckets now, with a progress bar (see Engine.warmup)."""
+        return self.engine.warmup(max_context or self.max_model_len, progress)
+
     # -- adapters ------------------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: str | os.PathLike) -> None:

@@ -1024,21 +1024,18 @@ class ServerThread:
 
 
 def warmup(llm, max_num_seqs: int) -> None:
-    """Compile the common step shapes before serving: prefill and decode for batches of 1, 2, 4, ...
-    up to max_num_seqs, for the base model and for one adapter (when one is registered). Shapes with
-    several adapters per batch still compile on first use."""
+    """Compile before serving: every base-model step bucket up to max_model_len (Engine.warmup),
+    then decode and prefill for batches of 1, 2, 4, ... up to max_num_seqs on one adapter (when one
+    is registered). Shapes with several adapters per batch still compile on first use."""
     from tqdm.auto import tqdm
+    llm.engine.warmup(max_context=llm.max_model_len)
+    if not llm.store.entries:
+        return
     sizes = [1 << i for i in range(max(max_num_seqs, 1).bit_length()) if 1 << i <= max_num_seqs]
-    # An adapter first: its load commits the pool arrays to the device, and shapes compiled before
-    # that would compile again after it.
-    which = ([sorted(llm.store.entries)[0]] if llm.store.entries else []) + [None]
+    adapter = sorted(llm.store.entries)[0]
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    prompt = [3, 4, 5, 6]
-    with tqdm(total=len(sizes) * len(which), desc="compiling step shapes", unit="batch") as bar:
-        for adapter in which:
-            for s in sizes:
-                llm.generate([prompt] * s, sp, adapter=adapter)
-                bar.update()
+    for s in tqdm(sizes, desc="compiling adapter step shapes", unit="batch"):
+        llm.generate([[3, 4, 5, 6]] * s, sp, adapter=adapter)
 
 
 def parse_lora_modules(items: list[str] | None) -> dict[str, str]:

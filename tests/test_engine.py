@@ -514,3 +514,21 @@ def test_adapter_regions_that_leave_no_kv_are_refused(paths):
     with pytest.raises(ValueError, match="leave no KV page"):
         make_llm(paths, (), page_size=16, pool_pages=BIG, max_lora_rank=PADDED_RANK,
                  adapter_memory="padded_slots", adapter_slots=4)  # 4 * 18 pages > 63
+
+
+def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm):
+    """After warmup, a base-model request of any length up to max_context meets no new step shape,
+    and the null-page steps it ran leave outputs as the shared engine's."""
+    eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_prefill_tokens=32)
+    n = eng.warmup(max_context=32, progress=False)
+    # decode: batches 1, 2 x page tables of 1, 2, 4, 8 pages; prefill of one prompt of 1 .. 32
+    # tokens: 16 tokens x 1, 2, 4 pages and 32 x 8 (4-token pages).
+    assert n == 2 * 4 + 4
+    assert len(eng.engine._shapes) == n
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [[7] * 3, list(range(3, 29))]
+    for prompt in prompts:
+        eng.generate([prompt], sp)
+        assert len(eng.engine._shapes) == n, "a warmed-up base shape compiled again"
+    assert_same(eng.generate(prompts, sp), llm.generate(prompts, sp))
+    assert_drained(eng)
