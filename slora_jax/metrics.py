@@ -85,6 +85,7 @@ class EngineMetrics:
         self.batch_adapters = Histogram("distinct adapters per step", COUNT_BUCKETS)
         self.prefill_step_seconds = Histogram("prefill step time (dispatch to results)")
         self.decode_step_seconds = Histogram("decode step time (dispatch to results)")
+        self.mixed_steps = Counter("prefill steps that also decoded running requests (mixed_steps)")
         # pool
         self.resident_adapters = Gauge("adapter versions with pages in the pool")
         self.adapter_pages = Gauge("pool pages holding adapter weights")

@@ -39,9 +39,13 @@ Policies (`SchedulerOptions`):
   prefetched or cached, never serve a request admitted after the re-registration; those pages
   are freed once their last user is done.
 - Chunked prefill. A prompt longer than the step's token budget (`max_prefill_tokens`) is
-  prefilled in chunks over consecutive steps, ahead of new admissions. Prefill and decode
-  never share a step (S-LoRA); mixing prefill chunks into decode steps needs a step function
-  that takes both and is left to a later change.
+  prefilled in chunks over consecutive steps, ahead of new admissions. By default prefill and
+  decode never share a step (S-LoRA), so running requests get no token while prompts are
+  prefilled. With `mixed_steps`, every running request ready to decode (and whose next page
+  needs no preemption) adds its one token to the prefill step: the step's token budget is cut by
+  that many, and the packed prefill step takes them as one-token chunks with their context in
+  the pool. Off by default until the GPU benchmark shows it helps (the XLA prefill attention
+  cost grows with the number of sequences in the step).
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class SchedulerOptions:
     kv_reserve: float = 0.0                # share of future KV growth reserved at admission
     ttft_slo: float | None = None          # default TTFT objective (s); None: no early abort
     prefetch_adapters: int = 8             # adapters copied in per step ahead of use; 0: off
+    mixed_steps: bool = False              # decode tokens ride along in prefill steps (see above)
 
     def __post_init__(self):
         if self.admission_order not in ORDERS:
@@ -211,8 +216,16 @@ class Scheduler:
         self.steps += 1
         self._expire_pins()
         finished = self._early_abort()
-        chunks = self._schedule_prefill(finished)
+        ready = [r for r in self.running if r.num_computed == len(r.tokens) - 1] if self.opts.mixed_steps else []
+        chunks = self._schedule_prefill(finished, reserve=len(ready))
         kind = "prefill"
+        if chunks and ready:  # mixed step: the ready requests decode in it too
+            running = set(map(id, self.running))
+            decode = [(r, r.num_computed, r.num_computed + 1) for r in ready
+                      if id(r) in running and self.grow(r, r.num_computed + 1)]
+            if decode:
+                self.metrics.mixed_steps.inc()
+            chunks += decode
         if not chunks:
             kind = "decode"
             chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
@@ -400,8 +413,10 @@ class Scheduler:
                 self.running.append(req)
         return out
 
-    def _schedule_prefill(self, finished: list[RequestOutput]) -> list[tuple[Request, int, int]]:
-        budget = self.opts.max_prefill_tokens
+    def _schedule_prefill(self, finished: list[RequestOutput], reserve: int = 0) -> list[tuple[Request, int, int]]:
+        """Prefill chunks for this step; `reserve` tokens and sequences of the step's budget are
+        kept for decode tokens (mixed steps)."""
+        budget = self.opts.max_prefill_tokens - reserve
         chunks = []
         stuck = False
         # Requests part-way through a chunked prefill go first.

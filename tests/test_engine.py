@@ -532,3 +532,12 @@ def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm):
         assert len(eng.engine._shapes) == n, "a warmed-up base shape compiled again"
     assert_same(eng.generate(prompts, sp), llm.generate(prompts, sp))
     assert_drained(eng)
+
+
+def test_mixed_steps_match_reference(paths, ref):
+    """Decode tokens riding in chunked prefill steps (mixed_steps) give the reference's outputs."""
+    engine = make_llm(paths, page_size=4, pool_pages=BIG * 4, mixed_steps=True,
+                      max_prefill_tokens=4, max_prefill_seqs=1)
+    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    assert engine.stats()["mixed_steps"] > 0
+    assert_drained(engine)

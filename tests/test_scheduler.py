@@ -445,3 +445,19 @@ def test_histogram_buckets():
         h.observe(v)
     assert h.cumulative() == [(1.0, 2), (2.0, 3), (4.0, 4), (float("inf"), 5)]
     assert h.quantile(0.5) == 2.0 and h.quantile(1.0) == float("inf") and h.mean == 3.2
+
+
+def test_mixed_steps_decode_while_a_long_prompt_is_prefilled():
+    """With mixed_steps a running request keeps getting tokens while a long prompt is prefilled in
+    chunks (each chunk one token shorter, for the decode token); without, it waits them out."""
+    arrivals = [Arrival(0.0, 10, 40, None), Arrival(0.05, 600, 4, None)]
+    plain = Sim(max_prefill_tokens=64, max_num_seqs=4).run(arrivals)
+    mixed = Sim(max_prefill_tokens=64, max_num_seqs=4, mixed_steps=True).run(arrivals)
+    for sim in (plain, mixed):
+        assert [r.generated for r in sim.requests] == [40, 4]
+        assert all(r.out.finish_reason == "length" for r in sim.requests)
+    assert not any(kind == "prefill" and n == 2 for kind, n, _ in plain.batches)
+    both = [n for kind, n, _ in mixed.batches if kind == "prefill" and n == 2]
+    assert len(both) >= 600 // 63  # every chunk of the long prompt carried the short one's token
+    assert mixed.sched.metrics.mixed_steps.value == len(both)
+    assert len(mixed.batches) < len(plain.batches)
