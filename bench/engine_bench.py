@@ -82,10 +82,11 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     return lora, attn
 
 
-def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
+def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tuple[list, object]:
+    """`batch` requests of `context` tokens (random KV) admitted into the pool, in the engine's
+    adapter-grouped order, and the device inputs of their decode step. Release the requests with
+    `llm.engine._release` when done."""
     eng = llm.engine
-    if not hasattr(eng, "_shapes_seen_bench"):
-        eng._shapes_seen_bench = set()
     reqs = []
     rng = np.random.default_rng(batch)
     for i in range(batch):
@@ -93,14 +94,24 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
         tokens = rng.integers(3, llm.cfg.vocab_size, context).tolist()
         req = Request(f"bench-{batch}-{i}", tokens, context - 1, SamplingParams(max_tokens=1 << 20), i,
                       entry, RequestOutput(f"bench-{i}", tokens), frozenset(), 0.0, num_computed=context - 1)
-        assert eng._admit(req) and eng._grow(req, context), "pool too small for the decode benchmark"
+        if not (eng._admit(req) and eng._grow(req, context)):
+            for r in reqs:
+                eng._release(r)
+            raise RuntimeError("pool too small for the decode benchmark")
         reqs.append(req)
+    chunks = [(r, 0, 0) for r in reqs]
+    _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
+    reqs = [c[0] for c in chunks]
+    inp, _ = eng._decode_inputs(reqs)
+    return reqs, jax.device_put(inp)
+
+
+def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
+    eng = llm.engine
+    if not hasattr(eng, "_shapes_seen_bench"):
+        eng._shapes_seen_bench = set()
+    reqs, inp = decode_batch(llm, batch, context, adapters)
     try:
-        chunks = [(r, 0, 0) for r in reqs]
-        _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
-        reqs = [c[0] for c in chunks]
-        inp, _ = eng._decode_inputs(reqs)
-        inp = jax.device_put(inp)
         t0 = time.perf_counter()
         if batch == 1 and eng.opts.lora_backend == "xla" and bool(adapters) not in eng._shapes_seen_bench:
             ma = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile().memory_analysis()
@@ -173,6 +184,7 @@ def main() -> None:
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process)")
+    ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
@@ -192,7 +204,8 @@ def main() -> None:
     max_seqs = max(args.requests, *(int(b) for b in args.batches.split(",")))
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
               max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=2048,
-              max_prefill_seqs=16, memory_fraction=0.7, max_adapters_per_batch=max_seqs)
+              max_prefill_seqs=16, memory_fraction=0.7, max_adapters_per_batch=max_seqs,
+              min_decode_batch=args.min_decode_batch)
     result["load_s"] = time.perf_counter() - t0
     result["memory"] = [mem("after LLM()")]
     result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None

@@ -4,7 +4,8 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|all|comma list] [extra engine_bench.py args]
+# (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; not in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -35,5 +36,12 @@ if has bench; then
     > "$OUT/engine_bench.log" 2>&1
   echo "engine_bench rc=$?"
   grep -E "^(decode|throughput)|Error|error" "$OUT/engine_bench.log" | tail -40
+fi
+if has profile; then
+  timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
+    --adapters 32 --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step.json" \
+    > "$OUT/profile_step.log" 2>&1
+  echo "profile_step rc=$?"
+  grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -45
 fi
 exit $rc

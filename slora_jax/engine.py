@@ -283,8 +283,8 @@ class Engine:
         o = self.opts
         ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
         shapes = []
-        s = 1
-        while s <= _pow2(o.max_num_seqs):
+        s = _pow2(o.min_decode_batch)
+        while s <= _pow2(max(o.max_num_seqs, o.min_decode_batch)):
             p = 1
             while p <= _pow2(self.kv_pages_for(ctx)):
                 shapes.append(self._null_inputs(s, s, p, decode=True))
@@ -435,7 +435,7 @@ class Engine:
         return inp, samplers
 
     def _decode_inputs(self, batch: list[Request]):
-        s = _pow2(len(batch))
+        s = _pow2(max(len(batch), self.opts.min_decode_batch))
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         kv_slot = np.zeros(s, np.int32)

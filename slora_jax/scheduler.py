@@ -79,11 +79,13 @@ class SchedulerOptions:
     ttft_slo: float | None = None          # default TTFT objective (s); None: no early abort
     prefetch_adapters: int = 8             # adapters copied in per step ahead of use; 0: off
     mixed_steps: bool = False              # decode tokens ride along in prefill steps (see above)
+    min_decode_batch: int = 1              # decode steps pad their batch to at least this many rows
 
     def __post_init__(self):
         if self.admission_order not in ORDERS:
             raise ValueError(f"admission_order must be one of {ORDERS}, got {self.admission_order!r}")
-        for name in ("max_num_seqs", "max_prefill_tokens", "max_prefill_seqs", "max_adapters_per_batch"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_prefill_seqs", "max_adapters_per_batch",
+                     "min_decode_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.kv_reserve <= 1.0:

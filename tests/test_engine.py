@@ -541,3 +541,13 @@ def test_mixed_steps_match_reference(paths, ref):
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     assert engine.stats()["mixed_steps"] > 0
     assert_drained(engine)
+
+
+def test_min_decode_batch_pads_rows_without_changing_outputs(paths, ref):
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, min_decode_batch=8)
+    shapes = engine.engine._shapes
+    outs = engine.generate(W_PROMPTS[:3], SP, adapter=W_NAMES[:3])
+    decode_rows = {leaves[0] for kind, _, leaves in shapes if kind == "decode"}
+    assert decode_rows == {(8,)}, decode_rows  # 3 requests, padded to 8 rows
+    assert_same(outs, ref["old"][:3])
+    assert_drained(engine)

@@ -1,0 +1,150 @@
+"""Where a decode step's time goes: a device trace of a few steps, summed by kernel.
+
+    python bench/profile_step.py --model llama-7b --batch 64 --adapters 32 --backends xla/xla,pallas/pallas
+    python bench/profile_step.py --model tiny --batch 4 --adapters 2 --steps 2      # CPU smoke run
+
+For each lora/attention backend pair, `--steps` decode steps of `--batch` requests (context
+`--context`, `--adapters` distinct rank-16 q,k,v,o adapters) run under `jax.profiler.trace`. The
+Perfetto trace it writes is read back here: device-side events (the GPU's streams; on a CPU, the
+XLA client's threads) are summed by name and by kind (matmul, our LoRA kernels, attention,
+gather/scatter, other fusions), per step. It answers what the step-time benchmark cannot: how many
+kernels a step launches, and which ones pay for the adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
+    sys.path[0] = str(REPO)  # run as a script: bench/trace.py must not shadow the stdlib's trace
+
+import jax  # noqa: E402
+
+from bench.engine_bench import decode_batch, randomize_pool, set_backends  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
+from slora_jax import LLM, paged  # noqa: E402
+from slora_jax.adapters import random_peft_adapter  # noqa: E402
+
+KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
+    ("lora kernel", ("shrink", "expand")),
+    ("attention kernel", ("paged_decode", "attention")),
+    ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "sm90_xmma", "nvjet")),
+    ("gather/scatter", ("gather", "scatter", "dynamic-slice", "dynamic_update")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset")),
+    ("reduce", ("reduce", "softmax")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other fusion"
+
+
+def device_events(trace_dir: str) -> list[dict]:
+    """Complete events ('X') of the device's tracks: GPU streams, or the CPU client's XLA threads."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
+    data = json.load(gzip.open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = [pid for pid, n in procs.items() if "gpu" in n.lower() or "device" in n.lower()]
+
+    def on_device(e) -> bool:
+        if gpu:
+            return e["pid"] in gpu
+        return "XLA" in threads.get((e["pid"], e.get("tid")), "") and "Client" not in \
+            threads.get((e["pid"], e.get("tid")), "")
+    return [e for e in events if e.get("ph") == "X" and on_device(e)]
+
+
+def summarize(events: list[dict], steps: int, top: int) -> dict:
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e.get("name", "?")
+        dur = float(e.get("dur", 0.0))  # microseconds
+        by_name[name][0] += 1
+        by_name[name][1] += dur
+        by_kind[kind_of(name)][0] += 1
+        by_kind[kind_of(name)][1] += dur
+    total = sum(v[1] for v in by_kind.values())
+    names = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "device_us_per_step": total / steps, "kernels_per_step": sum(v[0] for v in by_kind.values()) / steps,
+        "by_kind": {k: {"per_step": n / steps, "us_per_step": us / steps, "share": us / total if total else 0.0}
+                    for k, (n, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "top": [{"name": n[:160], "per_step": c / steps, "us_per_step": us / steps} for n, (c, us) in names],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-7b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--adapters", type=int, default=32, help="distinct adapters in the batch (0: base only)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--backends", default="xla/xla,pallas/pallas")
+    ap.add_argument("--pool-pages", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=max(args.batch, 1),
+              max_lora_rank=args.rank, memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
+    randomize_pool(llm)
+    tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
+    names = []
+    for i in range(args.adapters):
+        path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
+                                   targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
+        llm.load_adapter(f"lora-{i}", path)
+        names.append(f"lora-{i}")
+    result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
+              "batch": args.batch, "context": args.context, "adapters": args.adapters, "runs": []}
+    for pair in args.backends.split(","):
+        set_backends(llm, pair)
+        reqs, inp = decode_batch(llm, args.batch, args.context, names)
+        eng = llm.engine
+        try:
+            for _ in range(2):  # compile and warm up outside the trace
+                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+            res.block_until_ready()
+            trace_dir = tempfile.mkdtemp(prefix="slora-trace-")
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(args.steps):
+                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+                res.block_until_ready()
+        finally:
+            for r in reqs:
+                eng._release(r)
+        s = summarize(device_events(trace_dir), args.steps, args.top)
+        result["runs"].append({"backends": pair, **s})
+        print(f"{pair}: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
+              f"{s['kernels_per_step']:.0f} kernels per step", flush=True)
+        for k, v in s["by_kind"].items():
+            print(f"  {k:18s} {v['per_step']:7.0f} kernels {v['us_per_step'] / 1e3:8.3f} ms  {v['share']:5.1%}")
+        for t in s["top"][:10]:
+            print(f"    {t['us_per_step'] / 1e3:8.3f} ms  x{t['per_step']:<5.0f} {t['name'][:90]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
