@@ -5,7 +5,8 @@ code serves the dense reference (padded [B, T] batches flattened) and the paged 
 ragged prefill and decode). Two things are passed in as functions:
 
 - `attend(layer, q, k, v, kv) -> (out, kv)`: how attention reads and writes the KV cache;
-- `lora(layer, module, x, kv) -> delta | None`: the low-rank term `scale_i * (x @ A_i) @ B_i`; it
+- `lora(layer, module, x, y, kv) -> y`: adds the low-rank term `scale_i * (x @ A_i) @ B_i` to the
+  projection's base output y (a kernel can accumulate into y in place, with no delta buffer); it
   sees the current KV state because in the paged engine the adapters live in the same pool.
 
 Layers are unrolled in Python over per-layer arrays: on GPU this measured at the roofline while a
@@ -24,7 +25,7 @@ from slora_jax.config import ModelConfig
 
 Params = dict[str, Any]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-LoraDelta = Callable[[int, str, jax.Array, Any], "jax.Array | None"]
+LoraApply = Callable[[int, str, jax.Array, jax.Array, Any], jax.Array]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -74,17 +75,13 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraDelta | None, kv) -> jax.Array:
+def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApply | None, kv) -> jax.Array:
     y = linear(x, layer_params[module])
-    if lora is not None:
-        delta = lora(i, module, x, kv)
-        if delta is not None:
-            y = y + delta.astype(y.dtype)
-    return y
+    return y if lora is None else lora(i, module, x, y, kv)
 
 
 def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, attend: Attend, kv,
-                  lora: LoraDelta | None):
+                  lora: LoraApply | None):
     n = x.shape[0]
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     q = _proj(p, i, "q_proj", h, lora, kv).reshape(n, cfg.num_attention_heads, cfg.head_dim)
@@ -101,7 +98,7 @@ def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, a
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: Attend, kv,
-            lora: LoraDelta | None = None):
+            lora: LoraApply | None = None):
     """tokens, positions: [N]. Returns the final-normed hidden states [N, H] and the updated KV state."""
     x = params["embed_tokens"][tokens]
     cos, sin = rope_cos_sin(cfg, positions)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import lora_delta
+from pallas_kernels.lora import lora_apply
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -177,24 +177,24 @@ def lora_xla(x, pool_layer, a_rows, b_rows, ranks, token_slot, max_rank: int, fi
 
 
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
-    """Reads adapters from the pool as it was at the start of the step (see paged_attention_xla)."""
-    def delta(layer, module, x, _kv):
+    """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
+    paged_attention_xla). The kernels add their product into the base output y in place."""
+    def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
-            return None
+            return y
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
         if lora.backend in ("pallas", "triton"):
             if lora.backend == "pallas":
-                kernel_delta = lora_delta
+                kernel_apply = lora_apply
             else:
-                from triton_kernels.lora import lora_delta as kernel_delta  # needs jax-triton
+                from triton_kernels.lora import lora_apply as kernel_apply  # needs jax-triton
             pl = pool[layer]
-            return kernel_delta(x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows,
-                                lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
-                                fin=fin, fout=fout, backend=lora.backend)
-        return lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
-                        lora.max_rank, fin, fout)
-    return delta
+            return kernel_apply(y, x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows, lora.ranks[module],
+                                lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout)
+        return y + lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
+                            lora.max_rank, fin, fout).astype(y.dtype)
+    return apply
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,17 +46,17 @@ def stack_adapters(adapters: Sequence, cfg: ModelConfig, dtype) -> dict:
 
 
 def lora_reference(stacked: dict, slots: jax.Array):
-    """A `model.LoraDelta` over stacked adapters; slots [N] int32, -1 for base rows."""
-    def delta(layer: int, module: str, x: jax.Array, kv=None):
+    """A `model.LoraApply` over stacked adapters; slots [N] int32, -1 for base rows."""
+    def apply(layer: int, module: str, x: jax.Array, y: jax.Array, kv=None):
         if module not in stacked:
-            return None
+            return y
         m = stacked[module]
         # One-hot weighting by the row's scale (zero for base rows) keeps it gather-free and exact.
         w = jax.nn.one_hot(slots, m["scale"].shape[1], dtype=jnp.float32) * m["scale"][layer][None, :]
         xa = jnp.einsum("ni,sir->nsr", x, m["A"][layer], preferred_element_type=jnp.float32)
         xa = (xa * w[:, :, None]).astype(x.dtype)
-        return jnp.einsum("nsr,sro->no", xa, m["B"][layer], preferred_element_type=jnp.float32)
-    return delta
+        return y + jnp.einsum("nsr,sro->no", xa, m["B"][layer], preferred_element_type=jnp.float32).astype(y.dtype)
+    return apply
 
 
 # ---------------------------------------------------------------------------------------------

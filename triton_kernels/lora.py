@@ -181,6 +181,15 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
                    out_features=out_features, block_t=block_t, max_programs=max_programs)
 
 
+def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+               **kernel_options):
+    """y + (x @ A_s) @ B_s for the tokens of slot s, base tokens unchanged, in y's dtype: shrink, then
+    expand straight into y (no delta buffer, no separate add)."""
+    xa = lora_shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin, **kernel_options)
+    return lora_expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout,
+                       **kernel_options)
+
+
 def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
                backend: str = "triton", **kernel_options):
     """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens.
