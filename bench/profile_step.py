@@ -36,6 +36,7 @@ from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
 KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
     ("lora kernel", ("shrink", "expand")),
+    ("sort (sampler)", ("sort",)),
     ("attention kernel", ("paged_decode", "attention")),
     ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "sm90_xmma", "nvjet")),
     ("gather/scatter", ("gather", "scatter", "dynamic-slice", "dynamic_update")),
