@@ -56,6 +56,7 @@ class EngineOptions(SchedulerOptions):
     pool_pages: int | None = None          # None: from memory_fraction of free device memory
     memory_fraction: float = 0.85          # of the device memory left after the weights
     max_lora_rank: int = 64
+    prefill_query_block: int = 512         # xla prefill attention: queries per block (memory bound)
     lora_backend: str = "auto"             # "auto": see default_backends()
     attention_backend: str = "auto"
     host_cache_size: int = 256
@@ -74,6 +75,8 @@ class EngineOptions(SchedulerOptions):
         super().__post_init__()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.prefill_query_block < 16 or self.prefill_query_block & (self.prefill_query_block - 1):
+            raise ValueError(f"prefill_query_block must be a power of two >= 16, got {self.prefill_query_block}")
         auto_lora, auto_attention = default_backends()
         if self.lora_backend == "auto":
             self.lora_backend = auto_lora
@@ -303,6 +306,7 @@ class Engine:
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
                                 sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),
                                 lora=None, decode=decode, attention_backend=self.opts.attention_backend,
+                                query_block=self.opts.prefill_query_block,
                                 **self._sampling_arrays([], s))
 
     def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
@@ -431,6 +435,7 @@ class Engine:
                                page_table=self._page_table(reqs, s), ctx_lens=ctx_lens, sample_idx=sample_idx,
                                lora=self._lora_inputs(token_reqs, t), decode=False,
                                attention_backend=self.opts.attention_backend,
+                               query_block=self.opts.prefill_query_block,
                                **self._sampling_arrays(reqs, s))
         return inp, samplers
 

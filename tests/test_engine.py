@@ -551,3 +551,12 @@ def test_min_decode_batch_pads_rows_without_changing_outputs(paths, ref):
     assert decode_rows == {(8,)}, decode_rows  # 3 requests, padded to 8 rows
     assert_same(outs, ref["old"][:3])
     assert_drained(engine)
+
+
+def test_prefill_attention_in_query_blocks_matches_reference(paths, ref):
+    """The xla prefill attention in blocks of 16 queries (W's prefill packs 42 tokens into 64)."""
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, prefill_query_block=16)
+    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    assert_drained(engine)
+    with pytest.raises(ValueError, match="prefill_query_block"):
+        make_llm(paths, names=(), prefill_query_block=24)
