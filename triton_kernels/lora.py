@@ -198,8 +198,5 @@ def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin
         from pallas_kernels import lora as pallas_lora
         return pallas_lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
                                       fin=fin, fout=fout, backend=backend, **kernel_options)
-    xa = lora_shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
-                     **kernel_options)
-    y = jnp.zeros((x.shape[0], fout), jnp.float32)
-    return lora_expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout,
-                       **kernel_options)
+    return lora_apply(jnp.zeros((x.shape[0], fout), jnp.float32), x, rows, a_rows, b_rows, ranks,
+                      seg_starts, max_rank=max_rank, fin=fin, fout=fout, **kernel_options)
