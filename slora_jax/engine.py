@@ -39,7 +39,7 @@ def default_backends() -> tuple[str, str]:
     GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
     kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
     "pallas". For LoRA, the engine's decode step paid less for 32 adapters with the XLA one-hot
-    path than with the Pallas or Triton kernels at batch 1-64 (+1.6-1.7 ms against +3-6 ms); Triton
+    path than with the Pallas or Triton kernels at batch 1-64 (+1.0-1.7 ms against +3.2-6.1 ms); Triton
     was ahead only at batch 256 (+5.0 vs +6.2 ms). So LoRA stays "xla" until the kernels win.
     CPU: "xla" for both (Pallas runs there only in interpret mode, for tests).
     """
