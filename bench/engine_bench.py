@@ -82,6 +82,9 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     return lora, attn
 
 
+_ANALYZED: set = set()  # decode steps (with adapters or not) whose memory analysis was printed
+
+
 def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tuple[list, object]:
     """`batch` requests of `context` tokens (random KV) admitted into the pool, in the engine's
     adapter-grouped order, and the device inputs of their decode step. Release the requests with
@@ -108,18 +111,16 @@ def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tup
 
 def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
     eng = llm.engine
-    if not hasattr(eng, "_shapes_seen_bench"):
-        eng._shapes_seen_bench = set()
     reqs, inp = decode_batch(llm, batch, context, adapters)
     try:
         t0 = time.perf_counter()
-        if batch == 1 and eng.opts.lora_backend == "xla" and bool(adapters) not in eng._shapes_seen_bench:
+        if batch == 1 and eng.opts.lora_backend == "xla" and bool(adapters) not in _ANALYZED:
             ma = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile().memory_analysis()
             if ma is not None:
                 print(f"  forward_sample B={batch}: temp {ma.temp_size_in_bytes / 2**30:.2f} GiB, "
                       f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
                       f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
-            eng._shapes_seen_bench.add(bool(adapters))
+            _ANALYZED.add(bool(adapters))
         for _ in range(2):
             eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         res.block_until_ready()

@@ -169,6 +169,14 @@ def _block_schedule(ranks, seg_starts, t: int, block_t: int):
     return sched, ends[-1:].astype(jnp.int32), nb
 
 
+def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int):
+    """The launch schedule shared by every shrink and expand (Pallas and Triton): ranks clamped to
+    max_rank, the block schedule and its live total, the block bound NB and the program count."""
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    return ranks, sched, total, nb, min(nb, max_programs)
+
+
 def _col_tile(width: int, features: int, cap: int) -> int:
     g = math.gcd(width, features)
     return min(g & -g, cap)  # the largest power of two dividing W and the features, capped
@@ -192,9 +200,7 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, interp
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
-    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
-    n_programs = min(nb, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
@@ -217,9 +223,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank, out_features, i
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
-    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
-    n_programs = min(nb, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype)

@@ -7,7 +7,7 @@ from seg_starts[Sa] on are base-model tokens. A^T [r, in] and scale*B [r, out] o
 straight from a layer's pool rows [N, W] through per-slot row indices.
 
 Grid and tiling. The wrapper cuts every slot's segment into blocks of `block_t` tokens, back to back
-(pallas_kernels.lora._block_schedule, imported, not copied): at most T/block_t + Sa blocks, none for
+(pallas_kernels.lora._plan_blocks, imported, not copied): at most T/block_t + Sa blocks, none for
 base tokens, empty slots or slots of rank 0. The grid is static, (programs, column tiles), with
 programs = min(blocks, max_programs); program p walks blocks p, p + programs, ... up to the live
 total read from memory (a loop with a traced trip count), so padding costs one trivial pass.
@@ -44,7 +44,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.lora import (BLOCK_T, MAX_PROGRAMS, _block_schedule, _check_block_t,
+from pallas_kernels.lora import (BLOCK_T, MAX_PROGRAMS, _check_block_t, _plan_blocks,
                                  _col_tile, lora_expand_reference, lora_shrink_reference)
 
 # Block sizes, as in the Pallas twin (not yet tuned on a GPU; col_tile is a cap).
@@ -84,9 +84,7 @@ def shrink_plan(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
-    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
-    n_programs = min(nb, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))  # the kernel casts A tiles to x's dtype
     arrays = (total, sched, ranks, a_rows.astype(jnp.int32), x, rows,
               jnp.zeros((t, max_rank), jnp.float32))
@@ -104,9 +102,7 @@ def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
-    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
-    n_programs = min(nb, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
     arrays = (total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
     const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
                  COL_TILE=col_tile, FOUT=out_features, W=width, RB=b_rows.shape[1],
