@@ -20,8 +20,17 @@ rc=0
 has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
   # float32 parity needs full-precision matmuls (XLA on GPU may otherwise use TF32).
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider \
-    --durations=15 ${TESTS:-tests} > "$OUT/pytest.log" 2>&1
+  # PYTEST_WORKERS=N: N pytest-xdist workers (GPU pytest is compile-bound, one CPU core each), each
+  # capped at a tenth of the GPU's memory; xdist comes from wheels in .whl/ if the image lacks it.
+  xdist=()
+  if [[ -n ${PYTEST_WORKERS:-} ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site-xdist .whl/*.whl  # jax-triton too: the Triton tests run
+    xdist=(env PYTHONPATH=$PYTHONPATH:/tmp/site-xdist XLA_PYTHON_CLIENT_PREALLOCATE=false
+           XLA_PYTHON_CLIENT_MEM_FRACTION=0.1)
+  fi
+  JAX_DEFAULT_MATMUL_PRECISION=highest "${xdist[@]}" timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider \
+    ${PYTEST_WORKERS:+-n "$PYTEST_WORKERS"} --durations=15 ${TESTS:-tests} > "$OUT/pytest.log" 2>&1
   rc=$?
   echo "pytest rc=$rc"
   grep -v "host_offloader\|^W1" "$OUT/pytest.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -25

@@ -39,6 +39,7 @@ import asyncio
 import dataclasses
 import json
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -542,6 +543,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", help="--fixed-batch dtype")
     ap.add_argument("--no-requests", action="store_true", help="leave per-request records out of the JSON")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--variant", action="append", metavar="NAME:ARGS",
+                    help="several traces on one loaded model, one after the other (see run_variants); "
+                         "ARGS override the main arguments, e.g. 'fcfs:--cv 4 --engine admission_order=fcfs'")
+    ap.add_argument("--out-dir", default=None, help="--variant: where NAME.json goes (a NAME.json there is done)")
+    ap.add_argument("--rate-from", default=None, metavar="NAME:FACTOR",
+                    help="--variant: the offered rate is FACTOR x the req/s that variant NAME completed")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="--variant: start a variant only if its trace span + drain fits in what is left")
     return ap
 
 
@@ -558,11 +567,28 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args._tmp = None
+    args._argv_main = _strip_variant_args(argv)
     try:
         return _main(args, argv)
     finally:
         if args._tmp:
             shutil.rmtree(args._tmp, ignore_errors=True)
+
+
+def _strip_variant_args(argv: list[str]) -> list[str]:
+    """The main arguments without --variant/--out-dir/--budget-s (the base every variant parses on)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--variant", "--out-dir", "--budget-s", "--out"):
+            skip = True
+            continue
+        if a.split("=", 1)[0] in ("--variant", "--out-dir", "--budget-s", "--out"):
+            continue
+        out.append(a)
+    return out
 
 
 def _main(args, argv: list[str]) -> dict:
@@ -573,6 +599,8 @@ def _main(args, argv: list[str]) -> dict:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
 
+    if args.variant:
+        return run_variants(args, argv)
     if args.fixed_batch:
         args.model = args.model or "llama-7b"
         result.update(kind="fixed_batch", model=args.model, dtype=args.dtype, rank=args.rank)
@@ -633,6 +661,119 @@ def _main(args, argv: list[str]) -> dict:
     save()
     print(table(result), flush=True)
     return result
+
+
+# -- several traces on one loaded model ---------------------------------------------------------
+
+
+def _variant_args(args, spec: str):
+    name, _, extra = spec.partition(":")
+    if not name or "/" in name:
+        raise ValueError(f"--variant wants NAME:ARGS with a plain NAME, got {spec!r}")
+    return name, build_parser().parse_args([*args._argv_main, *shlex.split(extra)])
+
+
+def run_variants(args, argv: list[str]) -> dict:
+    """Serve several traces, one after the other, on one loaded model and one set of registered
+    adapters: each variant gets a fresh engine (empty pool, fresh scheduler and metrics) on the same
+    weights with the same pool size, so the compiled steps carry over and only the first variant
+    pays for compiles. A variant changes the trace (--rate, --cv, --n, --alpha, --duration-s, ...),
+    the mode (unified, base, separate), scheduler or engine options (--engine K=V, --early-abort).
+    Variants whose NAME.json is already in --out-dir are skipped (resumable)."""
+    import gc
+    import jax
+    from slora_jax.engine import Engine, EngineOptions
+    if not args.out_dir:
+        raise ValueError("--variant needs --out-dir")
+    if args.http or args.fixed_batch:
+        raise ValueError("--variant serves traces in-process; not with --http or --fixed-batch")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    variants = [_variant_args(args, spec) for spec in args.variant]
+    names_seen = [n for n, _ in variants]
+    if len(set(names_seen)) != len(names_seen):
+        raise ValueError(f"variant names repeat: {names_seen}")
+    todo = [(n, v) for n, v in variants if not (out_dir / f"{n}.json").is_file()]
+    if not todo:
+        print("[variants] all done", flush=True)
+        return {}
+    for n, v in todo:
+        if v.mode == "padded" or v.model != args.model:
+            raise ValueError(f"variant {n}: --mode padded and --model need a run of their own")
+    ws = {n: load_workload(v.workload, n=v.n, alpha=v.alpha, rate=v.rate, cv=v.cv, duration_s=v.duration_s,
+                           num_requests=v.num_requests, seed=v.seed, distinct_files=v.distinct_files,
+                           warmup_s=v.warmup_s, slo_s=v.slo_s, model=v.model, early_abort=v.early_abort)
+          for n, v in todo}
+    w0 = ws[todo[0][0]]
+    from slora_jax.config import load_model_config
+    cfg = load_model_config(w0.model)
+    files = adapter_files(w0, cfg, adapter_root(args))
+    n_max = max(w.n for w in ws.values())
+    paths = adapter_paths(w0.replace(n=n_max), files)
+    opts0 = engine_options(w0, "unified", overrides=parse_kv(args.engine))
+    t = time.perf_counter()
+    llm = build_llm(w0, opts0)
+    load_s = time.perf_counter() - t
+    num_pages = llm.engine.num_pages
+    t = time.perf_counter()
+    for name, path in paths.items():
+        llm.load_adapter(name, path)
+    register_s = time.perf_counter() - t
+    print(f"[variants] model loaded in {load_s:.1f} s, {len(paths)} adapters registered in {register_s:.1f} s, "
+          f"{num_pages} pages", flush=True)
+    spent: list[float] = []
+    for k, (name, v) in enumerate(todo):
+        w = ws[name]
+        if v.rate_from:
+            ref, _, factor = v.rate_from.partition(":")
+            ref_json = out_dir / f"{ref}.json"
+            if not ref_json.is_file():
+                print(f"[variants] {name}: skipped, --rate-from {ref} has no result yet", flush=True)
+                continue
+            got = json.loads(ref_json.read_text())["metrics"]["throughput_req_s"]
+            w = w.replace(rate=round(float(factor or 1) * got, 2))
+        trace = generate(w)
+        # warm-up + trace + drain (at most the cut-off), plus the first variant's compiles
+        est = w.warmup_s + min(trace.span_s + 30.0, v.max_wall_s or 1e9) + (0.0 if spent else 60.0)
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - t_start)
+        if left is not None and est > left:
+            print(f"[variants] {name}: needs ~{est:.0f} s, {left:.0f} s left; later", flush=True)
+            continue
+        opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
+        opts = {**opts, "pool_pages": num_pages}
+        if k > 0 or opts != {**opts0, "pool_pages": num_pages}:
+            old, llm.engine = llm.engine, None
+            for a in jax.tree.leaves(old.kv):
+                a.delete()
+            del old
+            gc.collect()
+            llm.options = EngineOptions(**opts)
+            llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
+        names = None if v.mode == "base" else [adapter_name(i) for i in range(w.n)]
+        result = header([*argv, f"# variant {name}"])
+        result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
+                      engine_options=opts, load_s=load_s, register_s=register_s,
+                      shared_process=k > 0, rate_from=v.rate_from)
+        t0 = time.perf_counter()
+        result["pool_at_start"] = llm.stats()
+        if w.warmup_s > 0:
+            t = time.perf_counter()
+            warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
+            _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
+            result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
+                                "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
+        max_wall = v.max_wall_s if v.max_wall_s is not None else trace.span_s + 120.0
+        recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
+        result["pool"] = pool
+        result["metrics"] = summarize(recs, w.slo_s, pool["wall_s"])
+        if not v.no_requests:
+            result["requests"] = [dataclasses.asdict(r) for r in recs]
+        (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+        spent.append(time.perf_counter() - t0)
+        print(f"[variants] {name}: done in {spent[-1]:.0f} s", flush=True)
+        print(table(result), flush=True)
+    return {}
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ class Engine:
         if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None:
             jax.config.update("jax_compilation_cache_dir", opts.compilation_cache_dir)
         self.ps = opts.page_size
-        num_pages = opts.pool_pages or self._pages_from_budget()
+        num_pages = self.num_pages = opts.pool_pages or self._pages_from_budget()
         self.pool = self._make_pool(num_pages)
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
         self._lora_slots = opts.adapter_slots if opts.adapter_memory == "padded_slots" else None
