@@ -79,6 +79,7 @@ def randomize_pool(llm: LLM) -> None:
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     lora, attn = pair.split("/")
     llm.engine.opts.lora_backend, llm.engine.opts.attention_backend = lora, attn
+    llm.engine.opts.prefill_lora_backend = lora
     return lora, attn
 
 

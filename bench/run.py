@@ -680,9 +680,6 @@ def run_variants(args, argv: list[str]) -> dict:
     pays for compiles. A variant changes the trace (--rate, --cv, --n, --alpha, --duration-s, ...),
     the mode (unified, base, separate), scheduler or engine options (--engine K=V, --early-abort).
     Variants whose NAME.json is already in --out-dir are skipped (resumable)."""
-    import gc
-    import jax
-    from slora_jax.engine import Engine, EngineOptions
     if not args.out_dir:
         raise ValueError("--variant needs --out-dir")
     if args.http or args.fixed_batch:
@@ -732,6 +729,9 @@ def run_variants(args, argv: list[str]) -> dict:
                 print(f"[variants] {name}: skipped, --rate-from {ref} has no result yet", flush=True)
                 continue
             got = json.loads(ref_json.read_text())["metrics"]["throughput_req_s"]
+            if got <= 0:
+                print(f"[variants] {name}: skipped, {ref} completed no request", flush=True)
+                continue
             w = w.replace(rate=round(float(factor or 1) * got, 2))
         trace = generate(w)
         # warm-up + trace + drain (at most the cut-off), plus the first variant's compiles
@@ -740,40 +740,56 @@ def run_variants(args, argv: list[str]) -> dict:
         if left is not None and est > left:
             print(f"[variants] {name}: needs ~{est:.0f} s, {left:.0f} s left; later", flush=True)
             continue
-        opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
-        opts = {**opts, "pool_pages": num_pages}
-        if k > 0 or opts != {**opts0, "pool_pages": num_pages}:
-            old, llm.engine = llm.engine, None
+        try:
+            llm = _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages,
+                               {"load_s": load_s, "register_s": register_s})
+        except Exception:  # noqa: BLE001 - one failing variant must not take the others with it
+            import traceback
+            msg = traceback.format_exc()
+            (out_dir / f"{name}.failed").write_text(msg)
+            print(f"[variants] {name}: FAILED\n{msg}", flush=True)
+            continue
+        spent.append(time.perf_counter() - t_start)
+    return {}
+
+
+def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loads):
+    import gc
+    import jax
+    from slora_jax.engine import Engine, EngineOptions
+    opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
+    opts = {**opts, "pool_pages": num_pages}
+    if k > 0 or opts != {**opts0, "pool_pages": num_pages}:
+        old, llm.engine = llm.engine, None
+        if old is not None:  # None: the variant before failed while building it
             for a in jax.tree.leaves(old.kv):
                 a.delete()
-            del old
-            gc.collect()
-            llm.options = EngineOptions(**opts)
-            llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
-        names = None if v.mode == "base" else [adapter_name(i) for i in range(w.n)]
-        result = header([*argv, f"# variant {name}"])
-        result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
-                      engine_options=opts, load_s=load_s, register_s=register_s,
-                      shared_process=k > 0, rate_from=v.rate_from)
-        t0 = time.perf_counter()
-        result["pool_at_start"] = llm.stats()
-        if w.warmup_s > 0:
-            t = time.perf_counter()
-            warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
-            _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
-            result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
-                                "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
-        max_wall = v.max_wall_s if v.max_wall_s is not None else trace.span_s + 120.0
-        recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
-        result["pool"] = pool
-        result["metrics"] = summarize(recs, w.slo_s, pool["wall_s"])
-        if not v.no_requests:
-            result["requests"] = [dataclasses.asdict(r) for r in recs]
-        (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
-        spent.append(time.perf_counter() - t0)
-        print(f"[variants] {name}: done in {spent[-1]:.0f} s", flush=True)
-        print(table(result), flush=True)
-    return {}
+        del old
+        gc.collect()
+        llm.options = EngineOptions(**opts)
+        llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
+    names = None if v.mode == "base" else [adapter_name(i) for i in range(w.n)]
+    result = header([*argv, f"# variant {name}"])
+    result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
+                  engine_options=opts, **loads, shared_process=k > 0, rate_from=v.rate_from)
+    t0 = time.perf_counter()
+    result["pool_at_start"] = llm.stats()
+    if w.warmup_s > 0:
+        t = time.perf_counter()
+        warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
+        _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
+        result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
+                            "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
+    max_wall = v.max_wall_s if v.max_wall_s is not None else trace.span_s + 120.0
+    recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
+    result["pool"] = pool
+    result["metrics"] = summarize(recs, w.slo_s, pool["wall_s"])
+    if not v.no_requests:
+        result["requests"] = [dataclasses.asdict(r) for r in recs]
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(f"[variants] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(table(result), flush=True)
+    return llm
 
 
 if __name__ == "__main__":

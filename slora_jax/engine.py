@@ -33,19 +33,24 @@ __all__ = ["Engine", "EngineOptions", "Request"]
 ADAPTER_MEMORY = ("unified", "padded_slots", "separate")
 
 
-def default_backends() -> tuple[str, str]:
-    """(lora_backend, attention_backend) that "auto" resolves to: the fastest measured.
+def default_backends() -> tuple[str, str, str]:
+    """(lora_backend, attention_backend, prefill_lora_backend) that "auto" resolves to: the
+    fastest measured, or where not yet measured, the one whose cost has the right shape.
 
     GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
     kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
     "pallas". For LoRA, the engine's decode step paid less for 32 adapters with the XLA one-hot
     path than with the Pallas or Triton kernels at batch 1-64 (+1.0-1.7 ms against +3.2-6.1 ms); Triton
-    was ahead only at batch 256 (+5.0 vs +6.2 ms). So LoRA stays "xla" until the kernels win.
-    CPU: "xla" for both (Pallas runs there only in interpret mode, for tests).
+    was ahead only at batch 256 (+5.0 vs +6.2 ms). So decode LoRA stays "xla" until the kernels win.
+    Prefill LoRA is "pallas": the one-hot path multiplies every token by every slot's A and B
+    (tokens x slots x rank work: 4096 tokens x 32 adapters at rank 64 is ~18 TFLOP a step on
+    llama-7b), the segment kernel only by its own adapter's, and its empty slots cost nothing, so
+    prefill steps can keep one slot bucket (fewer shapes to compile).
+    CPU: "xla" for all (Pallas runs there only in interpret mode, for tests).
     """
     if jax.default_backend() == "gpu":
-        return "xla", "pallas"
-    return "xla", "xla"
+        return "xla", "pallas", "pallas"
+    return "xla", "xla", "xla"
 
 
 @dataclasses.dataclass
@@ -59,6 +64,7 @@ class EngineOptions(SchedulerOptions):
     prefill_query_block: int = 512         # xla prefill attention: queries per block (memory bound)
     lora_backend: str = "auto"             # "auto": see default_backends()
     attention_backend: str = "auto"
+    prefill_lora_backend: str = "auto"     # "auto": lora_backend if that was given, else see above
     host_cache_size: int = 256
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
@@ -77,7 +83,9 @@ class EngineOptions(SchedulerOptions):
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.prefill_query_block < 16 or self.prefill_query_block & (self.prefill_query_block - 1):
             raise ValueError(f"prefill_query_block must be a power of two >= 16, got {self.prefill_query_block}")
-        auto_lora, auto_attention = default_backends()
+        auto_lora, auto_attention, auto_prefill = default_backends()
+        if self.prefill_lora_backend == "auto":
+            self.prefill_lora_backend = auto_prefill if self.lora_backend == "auto" else self.lora_backend
         if self.lora_backend == "auto":
             self.lora_backend = auto_lora
         if self.attention_backend == "auto":
@@ -88,14 +96,15 @@ class EngineOptions(SchedulerOptions):
         if self.attention_backend not in ("xla", "pallas"):
             raise ValueError(f"attention_backend must be 'xla' or 'pallas', got "
                              f"{self.attention_backend!r}")
-        if self.lora_backend not in ("xla", "pallas", "triton"):
-            raise ValueError(f"lora_backend must be 'xla', 'pallas' or 'triton', got "
-                             f"{self.lora_backend!r}")
-        if self.lora_backend == "triton":
-            from triton_kernels.lora import unavailable_reason
-            reason = unavailable_reason()
-            if reason is not None:
-                raise ValueError(f"lora_backend='triton' {reason}; use 'pallas' or 'xla'")
+        for name in ("lora_backend", "prefill_lora_backend"):
+            value = getattr(self, name)
+            if value not in ("xla", "pallas", "triton"):
+                raise ValueError(f"{name} must be 'xla', 'pallas' or 'triton', got {value!r}")
+            if value == "triton":
+                from triton_kernels.lora import unavailable_reason
+                reason = unavailable_reason()
+                if reason is not None:
+                    raise ValueError(f"{name}='triton' {reason}; use 'pallas' or 'xla'")
         mode = self.adapter_memory
         if mode not in ADAPTER_MEMORY:
             raise ValueError(f"adapter_memory must be one of {ADAPTER_MEMORY}, got {mode!r}")
@@ -143,6 +152,7 @@ class Engine:
         self.step_count = 0
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
+        self._decode_pages = 1      # the decode page-table bucket's floor (see _decode_inputs)
 
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         o = self.opts
@@ -293,20 +303,22 @@ class Engine:
                 shapes.append(self._null_inputs(s, s, p, decode=True))
                 p *= 2
             s *= 2
-        # One fresh prompt of n tokens runs at (tokens, page table) = (pow2(n, 16), pow2(pages(n))).
-        for t, p in sorted({(_pow2(n, 16), _pow2(self.kv_pages_for(n)))
-                            for n in range(1, min(o.max_prefill_tokens, ctx) + 1)}):
-            shapes.append(self._null_inputs(t, 1, p, decode=False))
+        # Fresh prompts (no context in the pool, so a one-column page table and no key window for
+        # one prompt) of n tokens in all run at pow2(n, 16) tokens x the prefill row bucket.
+        s = _pow2(o.max_prefill_seqs)
+        for t in sorted({_pow2(n, 16) for n in range(1, min(o.max_prefill_tokens, ctx) + 1)}):
+            shapes.append(self._null_inputs(t, s, 1, decode=False))
         return shapes
 
     def _null_inputs(self, t: int, s: int, p: int, decode: bool) -> paged.StepInputs:
+        """Step inputs whose every read and write goes to the null page (prefill: fresh prompts)."""
         zeros = np.zeros(t, np.int32)
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
                                 sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),
                                 lora=None, decode=decode, attention_backend=self.opts.attention_backend,
-                                query_block=self.opts.prefill_query_block,
+                                query_block=self.opts.prefill_query_block, prefill_context=decode,
                                 **self._sampling_arrays([], s))
 
     def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
@@ -331,8 +343,8 @@ class Engine:
 
     # -- step inputs -------------------------------------------------------------------------
 
-    def _page_table(self, reqs: list[Request], s: int) -> np.ndarray:
-        p = _pow2(max(len(self.pool.kv[r.rid]) for r in reqs))
+    def _page_table(self, reqs: list[Request], s: int, floor: int = 1) -> np.ndarray:
+        p = _pow2(max(floor, *(len(self.pool.kv[r.rid]) for r in reqs)))
         table = np.full((s, p), NULL_PAGE, np.int32)
         for i, r in enumerate(reqs):
             pages = self.pool.kv[r.rid]
@@ -365,11 +377,15 @@ class Engine:
             hit = self._rows[entry.key] = (pages, page_rows(pages, entry.layout.rows, self.ps))
         return hit[1]
 
-    def _lora_inputs(self, token_reqs: list[Request | None], t: int) -> paged.LoraInputs | None:
+    def _lora_inputs(self, token_reqs: list[Request | None], t: int, *, decode: bool) -> paged.LoraInputs | None:
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
         if not entries:
             return None
-        sa = self._lora_slots or _pow2(len(entries))
+        backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
+        # The one-hot path costs work per slot, so its slot bucket follows the batch; the kernels
+        # skip empty slots, so prefill keeps one bucket (one shape fewer to compile per size).
+        sa = self._lora_slots or (_pow2(len(entries)) if decode or backend == "xla"
+                                  else _pow2(max(len(entries), self.opts.max_prefill_seqs)))
         assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
         token_slot = np.full(t, -1, np.int32)
@@ -402,12 +418,15 @@ class Engine:
                 rk[i] = m.rank
             rows[module], ranks[module] = (a, b), rk
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
-                                max_rank=rank, backend=self.opts.lora_backend)
+                                max_rank=rank, backend=backend)
 
     def _prefill_inputs(self, chunks):
         total = sum(end - start for _, start, end in chunks)
         t = _pow2(total, 16)
-        s = _pow2(len(chunks))
+        s = _pow2(max(len(chunks), self.opts.max_prefill_seqs))  # one bucket: rows are cheap
+        context = any(start > 0 for _, start, _ in chunks)
+        longest = max(end - start for _, start, end in chunks)
+        window = max(min(t, self.opts.prefill_query_block), _pow2(longest))
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         kv_slot = np.zeros(t, np.int32)
@@ -431,11 +450,14 @@ class Engine:
                 samplers.add(i)
             at += n
         reqs = [c[0] for c in chunks]
+        # Without context the page table is not read: one column keeps the shape fixed.
+        table = self._page_table(reqs, s) if context else np.full((s, 1), NULL_PAGE, np.int32)
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot, token_seq=token_seq,
-                               page_table=self._page_table(reqs, s), ctx_lens=ctx_lens, sample_idx=sample_idx,
-                               lora=self._lora_inputs(token_reqs, t), decode=False,
+                               page_table=table, ctx_lens=ctx_lens, sample_idx=sample_idx,
+                               lora=self._lora_inputs(token_reqs, t, decode=False), decode=False,
                                attention_backend=self.opts.attention_backend,
-                               query_block=self.opts.prefill_query_block,
+                               query_block=self.opts.prefill_query_block, prefill_context=context,
+                               key_window=window if window + self.opts.prefill_query_block < t else 0,
                                **self._sampling_arrays(reqs, s))
         return inp, samplers
 
@@ -450,11 +472,18 @@ class Engine:
             positions[i] = req.num_computed
             kv_slot[i] = self._kv_slots(req, positions[i:i + 1])[0]
             ctx_lens[i] = req.num_computed
+        # The Pallas kernel reads only each row's live pages, so its page-table bucket only grows
+        # (a longer table costs nothing): fewer decode shapes to compile. XLA reads the whole table.
+        table = self._page_table(batch, s, self._decode_pages)
+        if self.opts.attention_backend == "pallas":
+            self._decode_pages = table.shape[1]
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot,
-                               token_seq=np.arange(s, dtype=np.int32), page_table=self._page_table(batch, s),
+                               token_seq=np.arange(s, dtype=np.int32), page_table=table,
                                ctx_lens=ctx_lens, sample_idx=np.arange(s, dtype=np.int32),
-                               lora=self._lora_inputs(batch + [None] * (s - len(batch)), s), decode=True,
+                               lora=self._lora_inputs(batch + [None] * (s - len(batch)), s, decode=True),
+                               decode=True,
                                attention_backend=self.opts.attention_backend,
+                               query_block=self.opts.prefill_query_block,
                                **self._sampling_arrays(batch, s))
         return inp, set(range(len(batch)))
 

@@ -62,6 +62,11 @@ class StepInputs:
     attention_backend: str = flax.struct.field(pytree_node=False, default="xla")
     # Queries per block of the xla packed prefill attention: bounds its [heads, block, keys] scores.
     query_block: int = flax.struct.field(pytree_node=False, default=512)
+    # Packed prefill: False when no sequence has context in the pool yet (every chunk starts its
+    # prompt), so attention skips the pooled keys; key_window > 0: a query block attends only to
+    # the key_window new tokens before it and its own (no chunk is longer than key_window).
+    prefill_context: bool = flax.struct.field(pytree_node=False, default=True)
+    key_window: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
@@ -123,29 +128,43 @@ def paged_attention_xla(q, k, v, pool_layer, inp: StepInputs):
         return model.attention_scores_softmax(q[:, None], keys, vals, mask)[:, 0]
     # Packed prefill: every token against every sequence's pooled context and every new token,
     # masked to its own sequence (and causally among the new tokens).
-    # The queries go in blocks (a loop), so the scores of one block [heads, block, S*P*ps + T] are
-    # alive at a time: at 4096 tokens x 32 sequences x 32 pages, all queries at once took 20 GiB.
+    # The queries go in blocks (a loop), so the scores of one block [heads, block, keys] are alive
+    # at a time: at 4096 tokens x 32 sequences x 32 pages, all queries at once took 20 GiB. Pooled
+    # keys are left out when no sequence has context yet, and with a key window a block reads only
+    # the new tokens that can be in its sequences: [start - key_window, end).
     t = q.shape[0]
-    keys = jnp.concatenate([pk.reshape(s * p * ps, kvh, d), k], axis=0)[None]
-    vals = jnp.concatenate([pv.reshape(s * p * ps, kvh, d), v], axis=0)[None]
-
-    def block(args):
-        qb, seq_b, pos_b = args
-        same = seq_b[:, None] == jnp.arange(s)[None, :]                           # [B, S]
-        ctx_mask = (same[:, :, None] & in_ctx[None]).reshape(qb.shape[0], s * p * ps)
-        new_mask = (seq_b[:, None] == inp.token_seq[None, :]) & \
-                   (inp.positions[None, :] <= pos_b[:, None])                     # [B, T]
-        mask = jnp.concatenate([ctx_mask, new_mask], axis=1)[None]
-        return model.attention_scores_softmax(qb[None], keys, vals, mask)[0]
-
     tb = min(t, inp.query_block)
     if t % tb:
         tb = t
+    span = tb + inp.key_window
+    windowed = 0 < inp.key_window and tb < t and span < t
+    ctx_keys = s * p * ps if inp.prefill_context else 0
+    if inp.prefill_context:
+        pooled_k, pooled_v = pk.reshape(ctx_keys, kvh, d), pv.reshape(ctx_keys, kvh, d)
+
+    def block(args):
+        qb, seq_b, pos_b, b = args
+        if windowed:
+            lo = jnp.clip(b * tb - inp.key_window, 0, t - span)
+            kn, vn = jax.lax.dynamic_slice_in_dim(k, lo, span), jax.lax.dynamic_slice_in_dim(v, lo, span)
+            seq_k = jax.lax.dynamic_slice_in_dim(inp.token_seq, lo, span)
+            pos_k = jax.lax.dynamic_slice_in_dim(inp.positions, lo, span)
+        else:
+            kn, vn, seq_k, pos_k = k, v, inp.token_seq, inp.positions
+        mask = (seq_b[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_b[:, None])  # [B, keys]
+        keys, vals = kn, vn
+        if inp.prefill_context:
+            same = seq_b[:, None] == jnp.arange(s)[None, :]                              # [B, S]
+            ctx_mask = (same[:, :, None] & in_ctx[None]).reshape(qb.shape[0], ctx_keys)
+            mask = jnp.concatenate([ctx_mask, mask], axis=1)
+            keys, vals = jnp.concatenate([pooled_k, kn], axis=0), jnp.concatenate([pooled_v, vn], axis=0)
+        return model.attention_scores_softmax(qb[None], keys[None], vals[None], mask[None])[0]
+
     if tb == t:
-        return block((q, inp.token_seq, inp.positions))
+        return block((q, inp.token_seq, inp.positions, 0))
     nb = t // tb
     out = jax.lax.map(block, (q.reshape(nb, tb, *q.shape[1:]), inp.token_seq.reshape(nb, tb),
-                              inp.positions.reshape(nb, tb)))
+                              inp.positions.reshape(nb, tb), jnp.arange(nb)))
     return out.reshape(q.shape)
 
 

@@ -437,7 +437,7 @@ def test_padded_slots_lora_runs_over_every_slot_at_max_rank(paths):
     e.add_request(W_PROMPTS[1], SP, "b", 0, ())
     plan = e.sched.schedule()
     e._write_adapters(plan.loads)
-    lora = e._lora_inputs([plan.requests[0]] * 2, 2)
+    lora = e._lora_inputs([plan.requests[0]] * 2, 2, decode=True)
     assert set(lora.rows) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for module, (a, b) in lora.rows.items():
         assert a.shape[0] == b.shape[0] == 3  # the bucket is every slot, one adapter or not
@@ -521,9 +521,9 @@ def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm):
     and the null-page steps it ran leave outputs as the shared engine's."""
     eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_prefill_tokens=32)
     n = eng.warmup(max_context=32, progress=False)
-    # decode: batches 1, 2 x page tables of 1, 2, 4, 8 pages; prefill of one prompt of 1 .. 32
-    # tokens: 16 tokens x 1, 2, 4 pages and 32 x 8 (4-token pages).
-    assert n == 2 * 4 + 4
+    # decode: batches 1, 2 x page tables of 1, 2, 4, 8 pages; prefill of one fresh prompt of
+    # 1 .. 32 tokens: 16 or 32 tokens (no page table read: no context yet).
+    assert n == 2 * 4 + 2
     assert len(eng.engine._shapes) == n
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
     prompts = [[7] * 3, list(range(3, 29))]
@@ -560,3 +560,53 @@ def test_prefill_attention_in_query_blocks_matches_reference(paths, ref):
     assert_drained(engine)
     with pytest.raises(ValueError, match="prefill_query_block"):
         make_llm(paths, names=(), prefill_query_block=24)
+
+
+def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkeypatch):
+    """Packed prefill in blocks of 16 queries with a key window: a step of fresh prompts (no pooled
+    keys at all) and a step that continues a split prompt (pooled context) both as the reference."""
+    from slora_jax import paged
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, prefill_query_block=16, max_prefill_tokens=64,
+                      max_prefill_seqs=16)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, 10)] for _ in range(12)]
+    names = ["a", None, "b", "c"] * 3
+    seen, step = [], paged.step
+
+    def spy(params, pool, inp, **kw):
+        if not inp.decode:
+            seen.append((inp.prefill_context, inp.key_window, inp.tokens.shape[0], inp.page_table.shape[0]))
+        return step(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    outs = engine.generate(prompts, SP, adapter=names)
+    # 120 prompt tokens, 64 a step: 6 prompts + 4 tokens of the 7th, fresh (no pooled keys), then
+    # the 7th's other 6 (pooled context) + 5 prompts + 8 tokens, then the rest; 16 sequence rows.
+    assert seen == [(False, 16, 64, 16), (True, 16, 64, 16)], seen
+    loaded = {n: load_peft_adapter(paths[n], CFG) for n in ("a", "b", "c")}
+    want = ReferenceEngine(CFG, engine.params, "float32").generate(
+        prompts, [SP] * 12, [0] * 12, [loaded[a] if a else None for a in names], CFG.eos_token_ids)
+    assert_same(outs, want)
+    assert_drained(engine)
+
+
+def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypatch):
+    """prefill_lora_backend="pallas" (the GPU default) beside decode "xla": prefill steps carry
+    the kernel's fixed slot bucket (max_prefill_seqs), decode steps the one-hot's batch bucket,
+    and the tokens are the reference's."""
+    from slora_jax import paged
+    from slora_jax.engine import EngineOptions
+    assert EngineOptions(lora_backend="pallas").prefill_lora_backend == "pallas"  # follows a given one
+    with pytest.raises(ValueError, match="prefill_lora_backend must be"):
+        EngineOptions(prefill_lora_backend="cuda")
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="xla", prefill_lora_backend="pallas",
+                      max_prefill_seqs=16)
+    seen, step = set(), paged.step
+
+    def spy(params, pool, inp, **kw):
+        if inp.lora is not None:
+            seen.add((inp.decode, inp.lora.backend, inp.lora.token_slot.shape[0] and len(inp.lora.seg_starts) - 1))
+        return step(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    assert seen == {(False, "pallas", 16), (True, "xla", 4)}, seen  # 4 distinct adapters in W
+    assert_drained(engine)
