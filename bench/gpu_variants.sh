@@ -21,8 +21,9 @@ RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapter
      --budget-s "${BUDGET_S:-540}")
 case $group in
   s2)
+    # (run.py first compiles every step bucket of the base model and of the adapters' modules.)
     # 1-2: the paper's point (Table 3: R = 10, S-LoRA 6.69 req/s on an A100-80GB): n = 1000 and
-    #      the base model alone on the same trace. The long first warm-up compiles the step shapes.
+    #      the base model alone on the same trace.
     # 3: offered well above capacity: the completed req/s is the capacity later rates are set from.
     # 4-5: prefetch on/off at half that capacity: TTFT of cold- vs warm-adapter requests (issue 5).
     # 6-11: twice the capacity, cv 1/4/8, early abort vs FCFS: SLO attainment (issue 5).
@@ -31,7 +32,7 @@ case $group in
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 40 --max-wall-s 70 --engine min_decode_batch=16 \
-      --variant "S2-unified-n1000-R10:--rate 10 --warmup-s 45" \
+      --variant "S2-unified-n1000-R10:--rate 10 --warmup-s 5" \
       --variant "S2-base-R10:--mode base --rate 10 ${short[*]}" \
       --variant "$cap:--rate 40 --duration-s 30 --max-wall-s 50 ${short[*]}" \
       --variant "S2-n1000-prefetch-on:--rate-from $cap:0.5 --duration-s 30 --warmup-s 5" \
@@ -51,7 +52,7 @@ case $group in
     # >= 25 req/s at >= 0.9), one minute each; the first also the paper's R = 10 point.
     "${RUN[@]}" --workload "S1$WL" --n 2000 --duration-s 60 --max-wall-s 90 --no-requests --warmup-s 5 \
       --engine min_decode_batch=16 \
-      --variant "S1-unified-n2000-R10:--warmup-s 20" \
+      --variant "S1-unified-n2000-R10" \
       --variant "S1-unified-n2000-R25:--rate 25" \
       --variant "S1-unified-n2000-R35:--rate 35" \
       --variant "S1-base-R35:--mode base --rate 35" \

@@ -645,6 +645,9 @@ def _main(args, argv: list[str]) -> dict:
         for name, path in paths.items():
             llm.load_adapter(name, path)
         result["register_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        result["warmup_shapes"] = llm.warmup(max_context=w.input_range[1] + w.output_range[1])
+        result["warmup_compile_s"] = time.perf_counter() - t
         result["pool_at_start"] = llm.stats()
         if w.warmup_s > 0:
             t = time.perf_counter()
@@ -719,6 +722,10 @@ def run_variants(args, argv: list[str]) -> dict:
     register_s = time.perf_counter() - t
     print(f"[variants] model loaded in {load_s:.1f} s, {len(paths)} adapters registered in {register_s:.1f} s, "
           f"{num_pages} pages", flush=True)
+    t = time.perf_counter()
+    shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()))
+    compile_s = time.perf_counter() - t
+    print(f"[variants] warm-up compiled {shapes} step shapes in {compile_s:.0f} s", flush=True)
     spent: list[float] = []
     for k, (name, v) in enumerate(todo):
         w = ws[name]
@@ -742,7 +749,8 @@ def run_variants(args, argv: list[str]) -> dict:
             continue
         try:
             llm = _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages,
-                               {"load_s": load_s, "register_s": register_s})
+                               {"load_s": load_s, "register_s": register_s,
+                                "warmup_shapes": shapes, "warmup_compile_s": compile_s})
         except Exception:  # noqa: BLE001 - one failing variant must not take the others with it
             import traceback
             msg = traceback.format_exc()

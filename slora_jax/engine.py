@@ -152,7 +152,9 @@ class Engine:
         self.step_count = 0
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
-        self._decode_pages = 1      # the decode page-table bucket's floor (see _decode_inputs)
+        # The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
+        # so its table is always as wide as max_model_len needs (one shape per batch bucket).
+        self._decode_pages = _pow2(self.kv_pages_for(max_model_len)) if opts.attention_backend == "pallas" else 1
 
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         o = self.opts
@@ -287,48 +289,92 @@ class Engine:
         timed = not first_run and t_pre < 0.5 * seconds
         return plan.finished + self.sched.complete(plan, results, seconds if timed else None)
 
-    def warmup_shapes(self, max_context: int | None = None) -> list[paged.StepInputs]:
-        """Null step inputs for the base-model buckets a server meets first: decode at every batch
-        bucket (powers of two up to max_num_seqs) times every page-table bucket up to max_context
-        tokens, and prefill of one fresh prompt of any length up to max_prefill_tokens. Every
-        read and write of these inputs goes to the null page. LoRA buckets (distinct adapters x
-        target modules) are not in the set: they compile on first use."""
+    def warmup_shapes(self, max_context: int | None = None, lora: bool = True) -> list[paged.StepInputs]:
+        """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
+        two from min_decode_batch up to max_num_seqs) times every page-table bucket up to
+        max_context tokens (one, max_model_len's, under the Pallas kernel), and prefill of fresh
+        prompts up to max_prefill_tokens. With `lora` and adapters registered, each again with
+        LoRA on the registered adapters' target modules at every slot bucket. Every read and write
+        of these inputs goes to the null page. Not covered (compiled on first use): prefill steps
+        that continue a split prompt, and batches whose adapters target other module sets."""
         o = self.opts
         ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
+        modules = sorted({m for e in self.store.entries.values() for m in e.layout.modules}) if lora else []
         shapes = []
         s = _pow2(o.min_decode_batch)
         while s <= _pow2(max(o.max_num_seqs, o.min_decode_batch)):
-            p = 1
-            while p <= _pow2(self.kv_pages_for(ctx)):
+            p = self._decode_pages
+            while p <= max(self._decode_pages, _pow2(self.kv_pages_for(ctx))):
                 shapes.append(self._null_inputs(s, s, p, decode=True))
+                shapes += [self._null_inputs(s, s, p, decode=True, lora=(modules, sa))
+                           for sa in self._slot_buckets(s, decode=True) if modules]
                 p *= 2
             s *= 2
-        # Fresh prompts (no context in the pool, so a one-column page table and no key window for
-        # one prompt) of n tokens in all run at pow2(n, 16) tokens x the prefill row bucket.
+        # Fresh prompts (no context in the pool yet: a one-column page table) packed to n tokens in
+        # all run at pow2(n, 16) tokens x the prefill row bucket, with every key window that
+        # prompts of up to max_context tokens give.
         s = _pow2(o.max_prefill_seqs)
-        for t in sorted({_pow2(n, 16) for n in range(1, min(o.max_prefill_tokens, ctx) + 1)}):
-            shapes.append(self._null_inputs(t, s, 1, decode=False))
+        for t in sorted({_pow2(n, 16) for n in range(1, o.max_prefill_tokens + 1)}):
+            for w in sorted({self._key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
+                shapes.append(self._null_inputs(t, s, 1, decode=False, key_window=w))
+                shapes += [self._null_inputs(t, s, 1, decode=False, lora=(modules, sa), key_window=w)
+                           for sa in self._slot_buckets(min(t, s), decode=False) if modules]
         return shapes
 
-    def _null_inputs(self, t: int, s: int, p: int, decode: bool) -> paged.StepInputs:
-        """Step inputs whose every read and write goes to the null page (prefill: fresh prompts)."""
+    def _key_window(self, t: int, longest: int) -> int:
+        """The key window of a packed prefill step of t tokens whose longest chunk has `longest`
+        (0: none, every query block reads every new token)."""
+        qb = min(t, self.opts.prefill_query_block)
+        window = max(qb, _pow2(longest))
+        return window if window + qb < t else 0
+
+    def _slot_buckets(self, most: int, decode: bool) -> list[int]:
+        """Every slot bucket a step of at most `most` distinct adapters can have."""
+        return sorted({self._slot_bucket(n, most, decode) for n in range(1, most + 1)})
+
+    def _slot_bucket(self, n: int, rows: int, decode: bool) -> int:
+        """Slots for n distinct adapters in a step of `rows` sequences. The one-hot path costs
+        work per slot, so its bucket follows n (powers of two, at least 8, at most the batch); the
+        kernels skip empty slots, so prefill under them keeps one bucket."""
+        if self._lora_slots:
+            return self._lora_slots
+        backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
+        if decode or backend == "xla":
+            return min(_pow2(rows), max(8, _pow2(n)))
+        return _pow2(max(n, self.opts.max_prefill_seqs))
+
+    def _null_inputs(self, t: int, s: int, p: int, decode: bool, lora=None, key_window: int = 0
+                     ) -> paged.StepInputs:
+        """Step inputs whose every read and write goes to the null page (prefill: fresh prompts);
+        lora = (modules, slots): LoRA inputs of that shape with no live slot."""
         zeros = np.zeros(t, np.int32)
+        if lora is not None:
+            modules, sa = lora
+            rank, width = self.opts.max_lora_rank, self.cfg.kv_size
+            rows = {m: (np.zeros((sa, paged.rows_needed(rank, self.cfg.module_shape(m)[0], width)), np.int32),
+                        np.zeros((sa, paged.rows_needed(rank, self.cfg.module_shape(m)[1], width)), np.int32))
+                    for m in modules}
+            lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=np.zeros(sa + 1, np.int32),
+                                    rows=rows, ranks={m: np.zeros(sa, np.int32) for m in modules},
+                                    max_rank=rank, backend=self.opts.lora_backend if decode
+                                    else self.opts.prefill_lora_backend)
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
                                 sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),
-                                lora=None, decode=decode, attention_backend=self.opts.attention_backend,
+                                lora=lora, decode=decode, attention_backend=self.opts.attention_backend,
                                 query_block=self.opts.prefill_query_block, prefill_context=decode,
-                                **self._sampling_arrays([], s))
+                                key_window=key_window, **self._sampling_arrays([], s))
 
-    def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
+    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True) -> int:
         """Compile (and run once, on the null page) every shape of `warmup_shapes`, with a progress
         bar; with the persistent compilation cache a restart loads them instead. Returns how many."""
-        shapes = self.warmup_shapes(max_context)
+        shapes = self.warmup_shapes(max_context, lora)
         bar = tqdm(shapes, desc="compiling step buckets", unit="shape", disable=not progress)
         for inp in bar:
             kind = "decode" if inp.decode else "prefill"
-            bar.set_postfix_str(f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}")
+            slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
+            bar.set_postfix_str(f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}")
             self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
             self._shapes.add((kind, jax.tree_util.tree_structure(inp),
                               tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
@@ -382,10 +428,7 @@ class Engine:
         if not entries:
             return None
         backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
-        # The one-hot path costs work per slot, so its slot bucket follows the batch; the kernels
-        # skip empty slots, so prefill keeps one bucket (one shape fewer to compile per size).
-        sa = self._lora_slots or (_pow2(len(entries)) if decode or backend == "xla"
-                                  else _pow2(max(len(entries), self.opts.max_prefill_seqs)))
+        sa = self._slot_bucket(len(entries), t if decode else self.opts.max_prefill_seqs, decode)
         assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
         token_slot = np.full(t, -1, np.int32)
@@ -426,7 +469,6 @@ class Engine:
         s = _pow2(max(len(chunks), self.opts.max_prefill_seqs))  # one bucket: rows are cheap
         context = any(start > 0 for _, start, _ in chunks)
         longest = max(end - start for _, start, end in chunks)
-        window = max(min(t, self.opts.prefill_query_block), _pow2(longest))
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         kv_slot = np.zeros(t, np.int32)
@@ -457,7 +499,7 @@ class Engine:
                                lora=self._lora_inputs(token_reqs, t, decode=False), decode=False,
                                attention_backend=self.opts.attention_backend,
                                query_block=self.opts.prefill_query_block, prefill_context=context,
-                               key_window=window if window + self.opts.prefill_query_block < t else 0,
+                               key_window=self._key_window(t, longest),
                                **self._sampling_arrays(reqs, s))
         return inp, samplers
 
@@ -472,11 +514,7 @@ class Engine:
             positions[i] = req.num_computed
             kv_slot[i] = self._kv_slots(req, positions[i:i + 1])[0]
             ctx_lens[i] = req.num_computed
-        # The Pallas kernel reads only each row's live pages, so its page-table bucket only grows
-        # (a longer table costs nothing): fewer decode shapes to compile. XLA reads the whole table.
         table = self._page_table(batch, s, self._decode_pages)
-        if self.opts.attention_backend == "pallas":
-            self._decode_pages = table.shape[1]
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot,
                                token_seq=np.arange(s, dtype=np.int32), page_table=table,
                                ctx_lens=ctx_lens, sample_idx=np.arange(s, dtype=np.int32),

@@ -49,9 +49,10 @@ class LLM:
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
 
-    def warmup(self, max_context: int | None = None, progress: bool = True) -> int:
-        """Compile the base-model step buckets now, with a progress bar (see Engine.warmup)."""
-        return self.engine.warmup(max_context or self.max_model_len, progress)
+    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True) -> int:
+        """Compile the step buckets now, with a progress bar: the base model's and, with `lora`,
+        those of batches of the registered adapters (see Engine.warmup)."""
+        return self.engine.warmup(max_context or self.max_model_len, progress, lora)
 
     # -- adapters ------------------------------------------------------------------------------
 

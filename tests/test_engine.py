@@ -608,5 +608,19 @@ def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypat
         return step(params, pool, inp, **kw)
     monkeypatch.setattr(paged, "step", spy)
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
-    assert seen == {(False, "pallas", 16), (True, "xla", 4)}, seen  # 4 distinct adapters in W
+    assert seen == {(False, "pallas", 16), (True, "xla", 8)}, seen  # 4 adapters: the one-hot bucket is >= 8
     assert_drained(engine)
+
+
+def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
+    """With adapters registered, warmup also compiles every LoRA slot bucket on their modules: the
+    mixed batch W then runs without a new step shape, and as the reference."""
+    eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_prefill_tokens=64,
+                   max_prefill_seqs=8)
+    n = eng.warmup(max_context=16, progress=False)
+    # decode: batches 1, 2, 4, 8 (one page), each base and LoRA at its one slot bucket (at least 8,
+    # at most the batch); prefill of 16, 32, 64 tokens, base and LoRA at 8 slots.
+    assert n == 4 * 2 + 3 * 2
+    assert_same(eng.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    assert len(eng.engine._shapes) == n, "a warmed-up LoRA shape compiled again"
+    assert_drained(eng)
