@@ -307,7 +307,7 @@ class Engine:
             while p <= max(self._decode_pages, _pow2(self.kv_pages_for(ctx))):
                 shapes.append(self._null_inputs(s, s, p, decode=True))
                 shapes += [self._null_inputs(s, s, p, decode=True, lora=(modules, sa))
-                           for sa in self._slot_buckets(s, decode=True) if modules]
+                           for sa in self._slot_buckets(s, s, decode=True) if modules]
                 p *= 2
             s *= 2
         # Fresh prompts (no context in the pool yet: a one-column page table) packed to n tokens in
@@ -318,7 +318,7 @@ class Engine:
             for w in sorted({self._key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
                 shapes.append(self._null_inputs(t, s, 1, decode=False, key_window=w))
                 shapes += [self._null_inputs(t, s, 1, decode=False, lora=(modules, sa), key_window=w)
-                           for sa in self._slot_buckets(min(t, s), decode=False) if modules]
+                           for sa in self._slot_buckets(min(t, s), t, decode=False) if modules]
         return shapes
 
     def _key_window(self, t: int, longest: int) -> int:
@@ -328,12 +328,12 @@ class Engine:
         window = max(qb, _pow2(longest))
         return window if window + qb < t else 0
 
-    def _slot_buckets(self, most: int, decode: bool) -> list[int]:
-        """Every slot bucket a step of at most `most` distinct adapters can have."""
-        return sorted({self._slot_bucket(n, most, decode) for n in range(1, most + 1)})
+    def _slot_buckets(self, most: int, rows: int, decode: bool) -> list[int]:
+        """Every slot bucket of a step of `rows` tokens with at most `most` distinct adapters."""
+        return sorted({self._slot_bucket(n, rows, decode) for n in range(1, most + 1)})
 
     def _slot_bucket(self, n: int, rows: int, decode: bool) -> int:
-        """Slots for n distinct adapters in a step of `rows` sequences. The one-hot path costs
+        """Slots for n distinct adapters in a step of `rows` tokens. The one-hot path costs
         work per slot, so its bucket follows n (powers of two, at least 8, at most the batch); the
         kernels skip empty slots, so prefill under them keeps one bucket."""
         if self._lora_slots:
@@ -428,7 +428,7 @@ class Engine:
         if not entries:
             return None
         backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
-        sa = self._slot_bucket(len(entries), t if decode else self.opts.max_prefill_seqs, decode)
+        sa = self._slot_bucket(len(entries), t, decode)
         assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
         token_slot = np.full(t, -1, np.int32)
