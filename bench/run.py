@@ -543,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", help="--fixed-batch dtype")
     ap.add_argument("--no-requests", action="store_true", help="leave per-request records out of the JSON")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--warmup-workers", type=int, default=1,
+                    help="threads that compile the step buckets before serving (Engine.warmup)")
     ap.add_argument("--variant", action="append", metavar="NAME:ARGS",
                     help="several traces on one loaded model, one after the other (see run_variants); "
                          "ARGS override the main arguments, e.g. 'fcfs:--cv 4 --engine admission_order=fcfs'")
@@ -646,7 +648,8 @@ def _main(args, argv: list[str]) -> dict:
             llm.load_adapter(name, path)
         result["register_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        result["warmup_shapes"] = llm.warmup(max_context=w.input_range[1] + w.output_range[1])
+        result["warmup_shapes"] = llm.warmup(max_context=w.input_range[1] + w.output_range[1],
+                                             workers=args.warmup_workers)
         result["warmup_compile_s"] = time.perf_counter() - t
         result["pool_at_start"] = llm.stats()
         if w.warmup_s > 0:
@@ -723,7 +726,8 @@ def run_variants(args, argv: list[str]) -> dict:
     print(f"[variants] model loaded in {load_s:.1f} s, {len(paths)} adapters registered in {register_s:.1f} s, "
           f"{num_pages} pages", flush=True)
     t = time.perf_counter()
-    shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()))
+    shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()),
+                        workers=args.warmup_workers)
     compile_s = time.perf_counter() - t
     print(f"[variants] warm-up compiled {shapes} step shapes in {compile_s:.0f} s", flush=True)
     spent: list[float] = []

@@ -8,6 +8,7 @@ while the device runs it, copies in the adapters the scheduler predicts the next
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -366,17 +367,33 @@ class Engine:
                                 query_block=self.opts.prefill_query_block, prefill_context=decode,
                                 key_window=key_window, **self._sampling_arrays([], s))
 
-    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True) -> int:
-        """Compile (and run once, on the null page) every shape of `warmup_shapes`, with a progress
-        bar; with the persistent compilation cache a restart loads them instead. Returns how many."""
+    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True,
+               workers: int | None = None) -> int:
+        """Compile every shape of `warmup_shapes`, `workers` at a time (threads; default 1), with a
+        progress bar; then run each once on the null page. With the persistent compilation cache
+        a restart loads them instead. Returns how many.
+
+        workers > 1 compiles shapes side by side (on a 2-core CPU, 43 shapes of an 8-layer model:
+        123 s with 1, 106 s with 2). Not the default yet: on a GPU, XLA autotunes its GEMMs by
+        timing them on the device, and concurrent compiles may time each other's kernels."""
         shapes = self.warmup_shapes(max_context, lora)
-        bar = tqdm(shapes, desc="compiling step buckets", unit="shape", disable=not progress)
-        for inp in bar:
+        workers = max(1, workers or 1)
+
+        def compile_one(inp):
+            paged.forward_sample.lower(self.params, self.kv, inp, cfg=self.cfg).compile()
             kind = "decode" if inp.decode else "prefill"
             slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
-            bar.set_postfix_str(f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}")
+            return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
+
+        bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for done in concurrent.futures.as_completed([pool.submit(compile_one, inp) for inp in shapes]):
+                bar.set_postfix_str(done.result())
+                bar.update()
+        bar.close()
+        for inp in shapes:  # now cache hits; commit_kv (small) compiles here
             self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
-            self._shapes.add((kind, jax.tree_util.tree_structure(inp),
+            self._shapes.add(("decode" if inp.decode else "prefill", jax.tree_util.tree_structure(inp),
                               tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
         if shapes:
             np.asarray(results)

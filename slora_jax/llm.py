@@ -49,10 +49,11 @@ class LLM:
         for name, path in (adapters or {}).items():
             self.load_adapter(name, path)
 
-    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True) -> int:
+    def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True,
+               workers: int | None = None) -> int:
         """Compile the step buckets now, with a progress bar: the base model's and, with `lora`,
-        those of batches of the registered adapters (see Engine.warmup)."""
-        return self.engine.warmup(max_context or self.max_model_len, progress, lora)
+        those of batches of the registered adapters, `workers` at a time (see Engine.warmup)."""
+        return self.engine.warmup(max_context or self.max_model_len, progress, lora, workers)
 
     # -- adapters ------------------------------------------------------------------------------
 

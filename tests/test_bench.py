@@ -194,6 +194,30 @@ def test_run_py_memory_baselines(s1_cpu, mode, flags, reserved):
         assert p["resident_adapters_max"] <= 2
 
 
+def test_run_py_variants_share_one_model_and_resume(tmp_path):
+    """Several traces on one loaded model: each variant's JSON, the second on a fresh engine with
+    the first's pool size and no compile during its run, a rate taken from the first's req/s, a
+    failing variant that leaves a .failed beside the others, and a second call that skips what is
+    done."""
+    args = ["--workload", "S1-cpu", "--duration-s", "2", "--warmup-s", "0", "--no-requests",
+            "--out-dir", str(tmp_path), "--variant", "uni:", "--variant", "base:--mode base",
+            "--variant", "half:--rate-from uni:0.5", "--variant", "bad:--engine page_size=0"]
+    run.main(args)
+    uni, base, half = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("uni", "base", "half"))
+    assert "page_size must be >= 1" in (tmp_path / "bad.failed").read_text()
+    assert base["mode"] == "base" and base["shared_process"] and not uni["shared_process"]
+    assert base["pool_at_start"]["total_pages"] == uni["pool_at_start"]["total_pages"]
+    assert base["pool"]["resident_adapters_max"] == 0 < uni["pool"]["resident_adapters_max"]
+    assert half["workload"]["rate"] == round(0.5 * uni["metrics"]["throughput_req_s"], 2)
+    assert uni["warmup_shapes"] > 0
+    for r in (base, half):  # the first variant's warm-up compiled every step bucket
+        assert r["pool"]["compiles"] == 0, r["variant"]
+        assert r["metrics"]["completed"] == r["metrics"]["num_requests"]
+    mtime = (tmp_path / "uni.json").stat().st_mtime
+    run.main(args[:-2])  # all done: nothing runs again
+    assert (tmp_path / "uni.json").stat().st_mtime == mtime
+
+
 def test_plots_from_run_jsons(s1_cpu, tmp_path):
     result, out = s1_cpu
     base = json.loads(out.read_text())

@@ -618,7 +618,7 @@ def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     mixed batch W then runs without a new step shape, and as the reference."""
     eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_prefill_tokens=64,
                    max_prefill_seqs=8)
-    n = eng.warmup(max_context=16, progress=False)
+    n = eng.warmup(max_context=16, progress=False, workers=2)  # two compile threads
     # decode: batches 1, 2, 4, 8 (one page), each base and LoRA at its one slot bucket (at least 8,
     # at most the batch); prefill of 16, 32, 64 tokens, base and LoRA at 8 slots.
     assert n == 4 * 2 + 3 * 2
