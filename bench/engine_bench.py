@@ -77,9 +77,13 @@ def randomize_pool(llm: LLM) -> None:
 
 
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
-    lora, attn = pair.split("/")
-    llm.engine.opts.lora_backend, llm.engine.opts.attention_backend = lora, attn
-    llm.engine.opts.prefill_lora_backend = lora
+    """"lora/attention", or "lora/attention/layer" for EngineOptions.compile_per_layer."""
+    lora, attn, *rest = pair.split("/")
+    eng = llm.engine
+    eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
+    eng.opts.prefill_lora_backend = lora
+    eng.opts.compile_per_layer = rest == ["layer"]
+    eng._decode_pages = eng.decode_page_floor()
     return lora, attn
 
 
@@ -122,13 +126,17 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
                       f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
                       f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
             _ANALYZED.add(bool(adapters))
-        for _ in range(2):
-            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+        per_layer = eng.opts.compile_per_layer
+        t = time.perf_counter()
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+        res.block_until_ready()
+        first_s = time.perf_counter() - t  # compile (or a compilation-cache load) + one step
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
         res.block_until_ready()
         ts = []
         for _ in range(iters):
             t = time.perf_counter()
-            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
             res.block_until_ready()
             ts.append(time.perf_counter() - t)
     finally:
@@ -144,6 +152,7 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
     ms = float(np.median(ts)) * 1e3
     return {"batch": batch, "context": context, "distinct_adapters": len(distinct), "ms": ms,
             "lora_backend": eng.opts.lora_backend, "attention_backend": eng.opts.attention_backend,
+            "compile_per_layer": eng.opts.compile_per_layer, "first_call_s": first_s,
             "roofline_ms": roof * 1e3, "x_roofline": ms / (roof * 1e3),
             "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": ad_bytes}}
 
@@ -185,7 +194,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
-                         "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process)")
+                         "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process); "
+                         "a third part /layer turns on EngineOptions.compile_per_layer")
     ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
@@ -250,7 +260,8 @@ def main() -> None:
                     rows.append(r)
                     save()
                     print(f"decode {pair:13s} B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
-                          f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}", flush=True)
+                          f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}  "
+                          f"(first call {r['first_call_s']:.1f} s)", flush=True)
     if "throughput" not in skip:
         rows = result["throughput"] = []
         for pair in (args.throughput_backends or args.backends).split(","):

@@ -66,6 +66,9 @@ class EngineOptions(SchedulerOptions):
     lora_backend: str = "auto"             # "auto": see default_backends()
     attention_backend: str = "auto"
     prefill_lora_backend: str = "auto"     # "auto": lora_backend if that was given, else see above
+    # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
+    # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
+    compile_per_layer: bool = False
     host_cache_size: int = 256
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
@@ -153,9 +156,13 @@ class Engine:
         self.step_count = 0
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
-        # The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
-        # so its table is always as wide as max_model_len needs (one shape per batch bucket).
-        self._decode_pages = _pow2(self.kv_pages_for(max_model_len)) if opts.attention_backend == "pallas" else 1
+        self._decode_pages = self.decode_page_floor()
+
+    def decode_page_floor(self) -> int:
+        """The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
+        so its table is always as wide as max_model_len needs (one shape per batch bucket); XLA
+        attention reads the whole table, so its bucket follows the longest context."""
+        return _pow2(self.kv_pages_for(self.max_model_len)) if self.opts.attention_backend == "pallas" else 1
 
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         o = self.opts
@@ -277,7 +284,8 @@ class Engine:
         first_run = shape not in self._shapes
         self._shapes.add(shape)
         t = time.perf_counter()
-        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
+        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg,
+                                      per_layer=self.opts.compile_per_layer)
         # While the device runs the step: copy in what the next batch is predicted to need.
         t_pre = time.perf_counter()
         self._write_adapters(self.sched.prefetch(plan), speculative=True)
@@ -385,16 +393,20 @@ class Engine:
             slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
             return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
 
+        per_layer = self.opts.compile_per_layer
         bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for done in concurrent.futures.as_completed([pool.submit(compile_one, inp) for inp in shapes]):
-                bar.set_postfix_str(done.result())
-                bar.update()
-        bar.close()
+        if not per_layer:  # per layer, the first run compiles (small jits) in the loop below
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for done in concurrent.futures.as_completed([pool.submit(compile_one, inp) for inp in shapes]):
+                    bar.set_postfix_str(done.result())
+                    bar.update()
         for inp in shapes:  # now cache hits; commit_kv (small) compiles here
-            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg)
+            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=per_layer)
+            if per_layer:
+                bar.update()
             self._shapes.add(("decode" if inp.decode else "prefill", jax.tree_util.tree_structure(inp),
                               tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
+        bar.close()
         if shapes:
             np.asarray(results)
         return len(shapes)

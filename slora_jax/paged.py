@@ -243,20 +243,63 @@ def _forward(params, pool, inp: StepInputs, cfg: ModelConfig):
     return h, new_kv
 
 
+def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
+    """Sample each sequence's next token from its final-normed hidden row: [S, 2] (token, logprob)."""
+    logits = model.lm_logits(params, cfg, h_rows)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(inp.seeds, inp.steps)
+    tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys)
+    return jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """Everything that reads the pool: the forward pass and the sampler."""
     h, new_kv = _forward(params, pool, inp, cfg)
-    logits = model.lm_logits(params, cfg, h[inp.sample_idx])
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(inp.seeds, inp.steps)
-    tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys)
-    results = jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
-    return new_kv, results
+    return new_kv, _sample_rows(params, cfg, h[inp.sample_idx], inp)
 
 
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig):
-    """One engine step: `(pool, results)`; the pool is donated (updated in place)."""
-    new_kv, results = forward_sample(params, pool, inp, cfg=cfg)
+# The same forward pass as one small jit per layer kind instead of one jit over the unrolled
+# model: a new step shape then compiles one decoder layer (shared by every layer: same shapes,
+# other arrays), not num_hidden_layers copies of it, at the price of a dispatch per layer.
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def embed_step(embed_tokens, inp: StepInputs, *, cfg: ModelConfig):
+    cos, sin = model.rope_cos_sin(cfg, inp.positions)
+    return embed_tokens[inp.tokens], cos, sin
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def layer_step(layer_params, pool_layer, x, cos, sin, inp: StepInputs, *, cfg: ModelConfig):
+    """One decoder layer over its own pool array (read only): (x, this layer's new (k, v))."""
+    pool = [pool_layer]  # the layer is "layer 0" of a one-layer pool for the callbacks
+    lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
+    x, (_, new) = model.decoder_layer(cfg, layer_params, 0, x, cos, sin, paged_attend(inp), (pool, ()), lora)
+    return x, new[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def head_step(head, x, inp: StepInputs, *, cfg: ModelConfig):
+    h = model.rms_norm(x[inp.sample_idx], head["norm"], cfg.rms_norm_eps)  # row-wise: rows first
+    return _sample_rows(head, cfg, h, inp)
+
+
+def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig):
+    """forward_sample's result through embed_step, layer_step per layer and head_step."""
+    inp = jax.device_put(inp, pool[0].sharding)  # once (not per layer), on the pool's device
+    x, cos, sin = embed_step(params["embed_tokens"], inp, cfg=cfg)
+    new_kv = []
+    for layer_params, pool_layer in zip(params["layers"], pool):
+        x, kv = layer_step(layer_params, pool_layer, x, cos, sin, inp, cfg=cfg)
+        new_kv.append(kv)
+    head = {k: params[k] for k in ("norm", "embed_tokens", "lm_head") if k in params}
+    return tuple(new_kv), head_step(head, x, inp, cfg=cfg)
+
+
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: bool = False):
+    """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer:
+    through forward_sample_per_layer (see EngineOptions.compile_per_layer)."""
+    forward = forward_sample_per_layer if per_layer else forward_sample
+    new_kv, results = forward(params, pool, inp, cfg=cfg)
     return commit_kv(pool, new_kv, inp.kv_slot), results
 
 

@@ -625,3 +625,17 @@ def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     assert_same(eng.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     assert len(eng.engine._shapes) == n, "a warmed-up LoRA shape compiled again"
     assert_drained(eng)
+
+
+@pytest.mark.parametrize("backends", [{}, {"lora_backend": "pallas", "attention_backend": "pallas"}],
+                         ids=["xla", "pallas"])
+def test_compile_per_layer_matches_reference_and_compiles_one_layer(paths, ref, backends):
+    """compile_per_layer: the step as one jit per decoder layer kind. Same outputs as the
+    reference, and each step shape compiles the layer once, not once per layer."""
+    from slora_jax import paged
+    before = paged.layer_step._cache_size()
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, compile_per_layer=True, **backends)
+    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    shapes = len(engine.engine._shapes)
+    assert 2 <= shapes and paged.layer_step._cache_size() - before == shapes  # not x num_hidden_layers
+    assert_drained(engine)
