@@ -1023,19 +1023,11 @@ class ServerThread:
         self.sock.close()
 
 
-def warmup(llm, max_num_seqs: int) -> None:
-    """Compile before serving: every base-model step bucket up to max_model_len (Engine.warmup),
-    then decode and prefill for batches of 1, 2, 4, ... up to max_num_seqs on one adapter (when one
-    is registered). Shapes with several adapters per batch still compile on first use."""
-    from tqdm.auto import tqdm
-    llm.engine.warmup(max_context=llm.max_model_len)
-    if not llm.store.entries:
-        return
-    sizes = [1 << i for i in range(max(max_num_seqs, 1).bit_length()) if 1 << i <= max_num_seqs]
-    adapter = sorted(llm.store.entries)[0]
-    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for s in tqdm(sizes, desc="compiling adapter step shapes", unit="batch"):
-        llm.generate([[3, 4, 5, 6]] * s, sp, adapter=adapter)
+def warmup(llm, workers: int = 1, lora: bool = True) -> None:
+    """Compile before serving (Engine.warmup): every step bucket up to max_model_len, for the base
+    model and, with `lora`, for batches of the adapters registered at start-up (their target
+    modules, every slot bucket). Batches on other module sets compile on first use."""
+    llm.warmup(max_context=llm.max_model_len, workers=workers, lora=lora)
 
 
 def parse_lora_modules(items: list[str] | None) -> dict[str, str]:
@@ -1086,7 +1078,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="directories that /v1/load_lora_adapter may load from (default: none, loading "
                     "at run time is off)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-warmup", action="store_true", help="skip compiling the common shapes at start-up")
+    ap.add_argument("--no-warmup", action="store_true", help="skip compiling the step shapes at start-up")
+    ap.add_argument("--warmup-workers", type=int, default=1, help="threads compiling the step shapes")
+    ap.add_argument("--compile-per-layer", action="store_true",
+                    help="compile one decoder layer per step shape instead of the unrolled model (much "
+                    "shorter start-up and first-use compiles, a dispatch per layer per step)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
     args = ap.parse_args(argv)
 
@@ -1106,9 +1102,12 @@ def main(argv: list[str] | None = None) -> None:
               memory_fraction=args.gpu_memory_utilization, max_num_seqs=max_num_seqs,
               max_prefill_tokens=args.max_num_batched_tokens, max_adapters_per_batch=args.max_loras,
               max_lora_rank=max_rank, host_cache_size=args.max_cpu_loras,
+              compile_per_layer=args.compile_per_layer,
               **({"ttft_slo": args.ttft_slo} if args.ttft_slo is not None else {}))
     if not args.no_warmup:
-        warmup(llm, max_num_seqs)
+        # The embedded default's adapters target mixed module sets, so few of its batches would
+        # meet the union's LoRA buckets: its warm-up compiles the base model's (a CPU demo).
+        warmup(llm, args.warmup_workers, lora=args.model is not None)
     app = build_app(llm, name or args.model, api_key=args.api_key, allowed_adapter_dirs=args.allowed_adapter_dirs,
                     max_in_flight=max_num_seqs + args.max_queued_requests)
 
