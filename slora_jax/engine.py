@@ -32,6 +32,7 @@ from slora_jax.scheduler import Plan, Request, Scheduler, SchedulerOptions, Step
 __all__ = ["Engine", "EngineOptions", "Request"]
 
 ADAPTER_MEMORY = ("unified", "padded_slots", "separate")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def default_backends() -> tuple[str, str, str]:
@@ -157,6 +158,7 @@ class Engine:
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
         self._decode_pages = self.decode_page_floor()
+        self._modules_key, self._union = None, set()  # the registered adapters' modules (cached)
 
     def decode_page_floor(self) -> int:
         """The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
@@ -308,7 +310,7 @@ class Engine:
         that continue a split prompt, and batches whose adapters target other module sets."""
         o = self.opts
         ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
-        modules = sorted({m for e in self.store.entries.values() for m in e.layout.modules}) if lora else []
+        module_sets = self._module_sets() if lora else []
         shapes = []
         s = _pow2(o.min_decode_batch)
         while s <= _pow2(max(o.max_num_seqs, o.min_decode_batch)):
@@ -316,7 +318,7 @@ class Engine:
             while p <= max(self._decode_pages, _pow2(self.kv_pages_for(ctx))):
                 shapes.append(self._null_inputs(s, s, p, decode=True))
                 shapes += [self._null_inputs(s, s, p, decode=True, lora=(modules, sa))
-                           for sa in self._slot_buckets(s, s, decode=True) if modules]
+                           for modules in module_sets for sa in self._slot_buckets(s, s, decode=True)]
                 p *= 2
             s *= 2
         # Fresh prompts (no context in the pool yet: a one-column page table) packed to n tokens in
@@ -327,7 +329,8 @@ class Engine:
             for w in sorted({self._key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
                 shapes.append(self._null_inputs(t, s, 1, decode=False, key_window=w))
                 shapes += [self._null_inputs(t, s, 1, decode=False, lora=(modules, sa), key_window=w)
-                           for sa in self._slot_buckets(min(t, s), t, decode=False) if modules]
+                           for modules in module_sets
+                           for sa in self._slot_buckets(min(t, s), t, decode=False)]
         return shapes
 
     def _key_window(self, t: int, longest: int) -> int:
@@ -336,6 +339,31 @@ class Engine:
         qb = min(t, self.opts.prefill_query_block)
         window = max(qb, _pow2(longest))
         return window if window + qb < t else 0
+
+    def _module_sets(self) -> list[tuple[str, ...]]:
+        """The module sets a LoRA step can carry: the registered adapters' modules within the
+        attention projections, then all of them (one set when they are the same)."""
+        key = (self.store._version, len(self.store.entries))
+        if self._modules_key != key:
+            union = {m for e in self.store.entries.values() for m in e.layout.modules}
+            self._modules_key, self._union = key, union
+        sets = []
+        for group in (ATTENTION_MODULES, TARGET_MODULES):
+            chosen = tuple(m for m in group if m in self._union)
+            if chosen and chosen not in sets:
+                sets.append(chosen)
+        return sets
+
+    def _step_modules(self, entries: list[AdapterEntry]) -> tuple[str, ...]:
+        """The modules a LoRA step carries: the smallest set of `_module_sets` that holds every
+        module of its adapters, not the exact set, so batches of adapters with different targets
+        share step shapes (a module that no adapter of the batch targets has rank 0 in every
+        slot: no work in the kernels, masked work in the one-hot path)."""
+        have = {m for e in entries for m in e.layout.modules}
+        for chosen in self._module_sets():
+            if have <= set(chosen):
+                return chosen
+        return tuple(m for m in TARGET_MODULES if m in have | self._union)  # a replaced version's
 
     def _slot_buckets(self, most: int, rows: int, decode: bool) -> list[int]:
         """Every slot bucket of a step of `rows` tokens with at most `most` distinct adapters."""
@@ -473,9 +501,7 @@ class Engine:
         rank = self.opts.max_lora_rank
         width = self.cfg.kv_size
         rows, ranks = {}, {}
-        for module in TARGET_MODULES:
-            if not any(module in e.layout.modules for e in entries):
-                continue
+        for module in self._step_modules(entries):
             fin, fout = self.cfg.module_shape(module)
             a = np.zeros((sa, paged.rows_needed(rank, fin, width)), np.int32)
             b = np.zeros((sa, paged.rows_needed(rank, fout, width)), np.int32)

@@ -620,8 +620,9 @@ def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
                    max_prefill_seqs=8)
     n = eng.warmup(max_context=16, progress=False, workers=2)  # two compile threads
     # decode: batches 1, 2, 4, 8 (one page), each base and LoRA at its one slot bucket (at least 8,
-    # at most the batch); prefill of 16, 32, 64 tokens, base and LoRA at 8 slots.
-    assert n == 4 * 2 + 3 * 2
+    # at most the batch); prefill of 16, 32, 64 tokens, base and LoRA at 8 slots; LoRA on two
+    # module sets (the registered adapters' attention modules, and all seven).
+    assert n == 4 * (1 + 2) + 3 * (1 + 2)
     assert_same(eng.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     assert len(eng.engine._shapes) == n, "a warmed-up LoRA shape compiled again"
     assert_drained(eng)
@@ -638,4 +639,26 @@ def test_compile_per_layer_matches_reference_and_compiles_one_layer(paths, ref, 
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     shapes = len(engine.engine._shapes)
     assert 2 <= shapes and paged.layer_step._cache_size() - before == shapes  # not x num_hidden_layers
+    assert_drained(engine)
+
+
+def test_batches_of_adapters_with_other_targets_share_a_module_set(paths, ref, monkeypatch):
+    """A batch carries the smallest of the registered adapters' module sets (attention, or all)
+    that holds its adapters' modules, so "b" (q, v) alone and "d" (k, o) alone run the same
+    LoRA step shape, an MLP adapter takes the full set, and the outputs are the reference's."""
+    from slora_jax import paged
+    engine = make_llm(paths, page_size=16, pool_pages=BIG)
+    seen, step = [], paged.step
+
+    def spy(params, pool, inp, **kw):
+        if inp.lora is not None:
+            seen.append(tuple(inp.lora.rows))
+        return step(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    attention, every = ("q_proj", "k_proj", "v_proj", "o_proj"), tuple(engine.engine._module_sets()[-1])
+    for k, want in ((1, attention), (4, attention), (3, every)):  # W rows: "b", "d", "c"
+        seen.clear()
+        assert_same(engine.generate([W_PROMPTS[k]], SP, adapter=W_NAMES[k]), [ref["old"][k]])
+        assert set(seen) == {want}, (W_NAMES[k], set(seen))
+    assert len(every) == 7
     assert_drained(engine)
