@@ -335,6 +335,18 @@ def summarize(recs: list[Record], slo_s: float, wall_s: float) -> dict:
     }
 
 
+def warmup_trace(llm, w: Workload, names: list[str] | None, result: dict) -> None:
+    """Serve w.warmup_s seconds of another seed's trace first (a steady pool; compiles that the
+    bucket warm-up missed): result["warmup"] says how it went."""
+    if w.warmup_s <= 0:
+        return
+    t = time.perf_counter()
+    warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
+    _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
+    result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
+                        "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
+
+
 def cold_warm_ttft(recs: list[Record]) -> dict:
     """TTFT of adapter requests split by whether their adapter was resident when they arrived
     (warm) or had to be paged in (cold): prefetch exists to bring the cold ones close to warm."""
@@ -652,12 +664,7 @@ def _main(args, argv: list[str]) -> dict:
                                              workers=args.warmup_workers)
         result["warmup_compile_s"] = time.perf_counter() - t
         result["pool_at_start"] = llm.stats()
-        if w.warmup_s > 0:
-            t = time.perf_counter()
-            warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
-            _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
-            result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
-                                "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
+        warmup_trace(llm, w, names, result)
         recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
         result["pool"] = pool
         wall = pool["wall_s"]
@@ -786,12 +793,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
                   engine_options=opts, **loads, shared_process=k > 0, rate_from=v.rate_from)
     t0 = time.perf_counter()
     result["pool_at_start"] = llm.stats()
-    if w.warmup_s > 0:
-        t = time.perf_counter()
-        warm = generate(w.replace(duration_s=w.warmup_s), seed=w.seed + 1)
-        _, wp = replay(llm, warm, names, max_wall_s=w.warmup_s + 120.0)
-        result["warmup"] = {"requests": len(warm), "wall_s": time.perf_counter() - t,
-                            "compiles": wp["compiles"], "compile_s": wp["compile_s"]}
+    warmup_trace(llm, w, names, result)
     max_wall = v.max_wall_s if v.max_wall_s is not None else trace.span_s + 120.0
     recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
     result["pool"] = pool
