@@ -95,8 +95,11 @@ fi
 
 # Generated PEFT adapters are written once per machine and reused by every part.
 ADIR=${ADAPTER_DIR:-/tmp/slora-bench-adapters}
-RUN=("$PY" bench/run.py --adapter-dir "$ADIR" --no-requests)   # per-request records only where
-RUNR=("$PY" bench/run.py --adapter-dir "$ADIR")                # a TTFT CDF is drawn
+# Every run.py first compiles all of its engine's step buckets (minutes on a 7B model; a cache load
+# on a warm machine, see bench/NOTES.md). RUN_ARGS: more run.py arguments for every part, e.g.
+# RUN_ARGS="--engine compile_per_layer=true".
+RUN=("$PY" bench/run.py --adapter-dir "$ADIR" --no-requests ${RUN_ARGS:-})   # per-request records only
+RUNR=("$PY" bench/run.py --adapter-dir "$ADIR" ${RUN_ARGS:-})                # where a TTFT CDF is drawn
 
 # Most telling first: the four targets of issue 7, then the paper's Table 3 points, then sweeps.
 

@@ -17,8 +17,10 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 group=${1:?usage: gpu_variants.sh s1|s2}
+# RUN_ARGS: more run.py arguments for every variant, e.g.
+# RUN_ARGS="--engine compile_per_layer=true --warmup-workers 8"
 RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
-     --budget-s "${BUDGET_S:-540}")
+     --budget-s "${BUDGET_S:-540}" ${RUN_ARGS:-})
 case $group in
   s2)
     # (run.py first compiles every step bucket of the base model and of the adapters' modules.)

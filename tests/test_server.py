@@ -411,7 +411,7 @@ def test_cli_serve(demo):
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
            "--lora-modules", f"a={paths[ADAPTERS[0]]}", json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}),
            "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup",
-           "--api-key", "sk-cli"]
+           "--api-key", "sk-cli", "--compile-per-layer"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
@@ -421,8 +421,12 @@ def test_cli_serve(demo):
         url = m.group(1)
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
-        models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-cli"}).json()
+        auth = {"Authorization": "Bearer sk-cli"}
+        models = httpx.get(url + "/v1/models", headers=auth).json()
         assert [d["id"] for d in models["data"]] == ["base", "a", "b"]
+        done = httpx.post(url + "/v1/completions", headers=auth, timeout=120,  # one layer jit per shape
+                          json={"model": "a", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.0}).json()
+        assert done["usage"]["completion_tokens"] == 3, done
     finally:
         p.terminate()
         try:
