@@ -262,13 +262,14 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
     evicted and paged in again mid-run, requests queue); and through the Pallas LoRA and decode
-    attention kernels. Every row still matches the oracle."""
+    attention kernels; and compiled one decoder layer at a time (compile_per_layer). Every row
+    still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
@@ -277,6 +278,8 @@ def test_paged_engine_configurations(oracle, model, config):
         opts = dict(page_size=1)
     elif config == "pallas_kernels":  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
+    elif config == "per_layer":
+        opts = dict(compile_per_layer=True)
     else:
         opts = dict(page_size=4, max_num_seqs=3)
         probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", pool_pages=4096, **opts)
