@@ -305,9 +305,9 @@ class Engine:
         two from min_decode_batch up to max_num_seqs) times every page-table bucket up to
         max_context tokens (one, max_model_len's, under the Pallas kernel), and prefill of fresh
         prompts up to max_prefill_tokens. With `lora` and adapters registered, each again with
-        LoRA on the registered adapters' target modules at every slot bucket. Every read and write
-        of these inputs goes to the null page. Not covered (compiled on first use): prefill steps
-        that continue a split prompt, and batches whose adapters target other module sets."""
+        LoRA at every slot bucket on each module set a step can carry (`_module_sets`). Every read
+        and write of these inputs goes to the null page. Not covered (compiled on first use):
+        prefill steps that continue a split prompt (pooled context), and mixed steps."""
         o = self.opts
         ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
         module_sets = self._module_sets() if lora else []
