@@ -39,7 +39,11 @@ Policies (`SchedulerOptions`):
   prefetched or cached, never serve a request admitted after the re-registration; those pages
   are freed once their last user is done.
 - Chunked prefill. A prompt longer than the step's token budget (`max_prefill_tokens`) is
-  prefilled in chunks over consecutive steps, ahead of new admissions. By default prefill and
+  prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that would fit a
+  step of its own is not split to fill what is left of a step's budget: it starts the next step
+  whole (`split_prompts=True` fills every step exactly, as S-LoRA does). A split prompt's next
+  chunk attends to its pooled context, and the packed prefill attention then reads the pooled
+  pages of every sequence in the step; steps of whole prompts have no pooled context to read. By default prefill and
   decode never share a step (S-LoRA), so running requests get no token while prompts are
   prefilled. With `mixed_steps`, every running request ready to decode (and whose next page
   needs no preemption) adds its one token to the prefill step: the step's token budget is cut by
@@ -80,6 +84,7 @@ class SchedulerOptions:
     prefetch_adapters: int = 8             # adapters copied in per step ahead of use; 0: off
     mixed_steps: bool = False              # decode tokens ride along in prefill steps (see above)
     min_decode_batch: int = 1              # decode steps pad their batch to at least this many rows
+    split_prompts: bool = False            # fill each prefill step's budget exactly (see above)
 
     def __post_init__(self):
         if self.admission_order not in ORDERS:
@@ -376,6 +381,9 @@ class Scheduler:
                     break  # the batch drains until this request's adapter fits
                 continue
             end = min(len(req.tokens), budget)
+            if end < len(req.tokens) and (out or nseqs) and not o.split_prompts \
+                    and len(req.tokens) <= o.max_prefill_tokens:
+                break  # a prompt that fits a step of its own starts the next one, whole
             grow = self._growth(req, self.kv_pages_for(end)) if o.kv_reserve else 0
             kv, ad = self._need(entry, end, claimed)
             held = math.ceil(o.kv_reserve * (reserve + grow))

@@ -563,12 +563,14 @@ def test_prefill_attention_in_query_blocks_matches_reference(paths, ref):
         make_llm(paths, names=(), prefill_query_block=24)
 
 
-def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkeypatch):
+@pytest.mark.parametrize("split", [True, False], ids=["split_prompts", "whole_prompts"])
+def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkeypatch, split):
     """Packed prefill in blocks of 16 queries with a key window: a step of fresh prompts (no pooled
-    keys at all) and a step that continues a split prompt (pooled context) both as the reference."""
+    keys at all) and, when prompts are split to fill each step, a step that continues a split
+    prompt (pooled context): both as the reference. By default prompts are not split."""
     from slora_jax import paged
     engine = make_llm(paths, page_size=16, pool_pages=BIG, prefill_query_block=16, max_prefill_tokens=64,
-                      max_prefill_seqs=16)
+                      max_prefill_seqs=16, split_prompts=split)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, 10)] for _ in range(12)]
     names = ["a", None, "b", "c"] * 3
@@ -580,9 +582,10 @@ def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkey
         return step(params, pool, inp, **kw)
     monkeypatch.setattr(paged, "step", spy)
     outs = engine.generate(prompts, SP, adapter=names)
-    # 120 prompt tokens, 64 a step: 6 prompts + 4 tokens of the 7th, fresh (no pooled keys), then
-    # the 7th's other 6 (pooled context) + 5 prompts + 8 tokens, then the rest; 16 sequence rows.
-    assert seen == [(False, 16, 64, 16), (True, 16, 64, 16)], seen
+    # 120 prompt tokens, 64 a step. Split: 6 prompts + 4 tokens of the 7th, fresh (no pooled
+    # keys), then the 7th's other 6 (pooled context) + 5 prompts. Whole: 6 prompts, then 6 more,
+    # both fresh (60 tokens in 64). 16 sequence rows.
+    assert seen == [(False, 16, 64, 16), (split, 16, 64, 16)], seen
     loaded = {n: load_peft_adapter(paths[n], CFG) for n in ("a", "b", "c")}
     want = ReferenceEngine(CFG, engine.params, "float32").generate(
         prompts, [SP] * 12, [0] * 12, [loaded[a] if a else None for a in names], CFG.eos_token_ids)

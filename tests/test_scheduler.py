@@ -330,6 +330,28 @@ def test_chunked_prefill_splits_long_prompts():
     assert all(r.out.finish_reason == "length" and r.generated == 4 for r in sim.requests)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_prompts_that_fit_a_step_are_not_split_unless_asked(split):
+    """Prompts of 40, 40 and 100 tokens, 64 a step. By default the second 40 starts the next step
+    whole (its remaining 24 tokens of budget stay unused) and only the 100, longer than any step,
+    is chunked; split_prompts fills every step's 64 exactly."""
+    sim = Sim(max_prefill_tokens=64, max_num_seqs=4, split_prompts=split)
+    for n in (40, 40, 100):
+        sim.add(Arrival(0, n, 2, None))
+    chunks = []
+    for _ in range(100):
+        if not sim.sched.has_unfinished():
+            break
+        plan = sim.sched.schedule()
+        if plan.kind == "prefill":
+            chunks.append([(len(r.tokens), a, b) for r, a, b in plan.chunks])
+        sim.sched.complete(plan, np.zeros((len(plan.chunks), 2), np.float32), None)
+    if split:
+        assert chunks[:3] == [[(40, 0, 40), (40, 0, 24)], [(40, 24, 40), (100, 0, 48)], [(100, 48, 100)]]
+    else:
+        assert chunks[:4] == [[(40, 0, 40)], [(40, 0, 40), (100, 0, 24)], [(100, 24, 88)], [(100, 88, 100)]]
+
+
 def test_never_hangs_under_heavy_overload():
     arrivals = trace(800, 500.0, cv=8.0, adapters=64, alpha=0.5, prompt=(8, 256), output=(8, 128), seed=6,
                      slo=0.5)
