@@ -4,8 +4,9 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|all|comma list] [extra engine_bench.py args]
-# (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; not in "all")
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|all|comma list] [extra engine_bench.py args]
+# (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
+# bench/warmup_time.py, the start-up compile cost per layer and whole; neither is in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -45,6 +46,16 @@ if has bench; then
     > "$OUT/engine_bench.log" 2>&1
   echo "engine_bench rc=$?"
   grep -E "^(decode|throughput)|Error|error" "$OUT/engine_bench.log" | tail -40
+fi
+if has compile; then
+  # Start-up cost: every step bucket of an S2-sized llama-7b engine, one decoder layer per bucket,
+  # then the whole unrolled model (bench/warmup_time.py; the persistent cache is off there).
+  for pl in 1 0; do
+    timeout "${T_COMPILE:-280}" python3 bench/warmup_time.py --model llama-7b --per-layer $pl \
+      --out "$OUT/warmup_time-per_layer$pl.json" > "$OUT/warmup_time-per_layer$pl.log" 2>&1
+    echo "warmup_time per_layer=$pl rc=$?"
+    grep -E '"(shapes|warmup_s|compiles_after_warmup)"' "$OUT/warmup_time-per_layer$pl.log"
+  done
 fi
 if has profile; then
   timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
