@@ -26,6 +26,16 @@ def _gather_tile(rows_ptr, idx_ptr, s, flat, live, NIDX: tl.constexpr, W: tl.con
 
 
 @triton.jit
+def _block(sched_ptr, ranks_ptr, b, NB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Block b of the schedule: its slot s, the slot's rank, its token indices and which are live."""
+    s = tl.load(sched_ptr + b)
+    start = tl.load(sched_ptr + NB + b)
+    end = tl.load(sched_ptr + 2 * NB + b)
+    t = start + tl.arange(0, BLOCK_T)
+    return s, tl.load(ranks_ptr + s), t, t < end
+
+
+@triton.jit
 def lora_shrink_kernel(total_ptr, sched_ptr, ranks_ptr, a_rows_ptr, x_ptr, rows_ptr, _xa_in_ptr,
                        xa_ptr, NB: tl.constexpr, N_PROGRAMS: tl.constexpr, BLOCK_T: tl.constexpr,
                        RANK_TILE: tl.constexpr, COL_TILE: tl.constexpr, FIN: tl.constexpr,
@@ -37,13 +47,8 @@ def lora_shrink_kernel(total_ptr, sched_ptr, ranks_ptr, a_rows_ptr, x_ptr, rows_
     k = tl.program_id(1)
     total = tl.load(total_ptr)
     for b in range(p, total, N_PROGRAMS):
-        s = tl.load(sched_ptr + b)
-        start = tl.load(sched_ptr + NB + b)
-        end = tl.load(sched_ptr + 2 * NB + b)
-        r = tl.load(ranks_ptr + s)
+        s, r, t, t_live = _block(sched_ptr, ranks_ptr, b, NB, BLOCK_T)
         if k * RANK_TILE < r:
-            t = start + tl.arange(0, BLOCK_T)
-            t_live = t < end
             j = k * RANK_TILE + tl.arange(0, RANK_TILE)          # A^T rows = rank columns of xa
             j_live = j < r
             first = tl.where(j_live, j, 0) * FIN                 # A^T row j starts at flat j*FIN
@@ -72,12 +77,7 @@ def lora_expand_kernel(total_ptr, sched_ptr, ranks_ptr, b_rows_ptr, xa_ptr, rows
     cols = col + tl.arange(0, COL_TILE)
     total = tl.load(total_ptr)
     for b in range(p, total, N_PROGRAMS):
-        s = tl.load(sched_ptr + b)
-        start = tl.load(sched_ptr + NB + b)
-        end = tl.load(sched_ptr + 2 * NB + b)
-        r = tl.load(ranks_ptr + s)
-        t = start + tl.arange(0, BLOCK_T)
-        t_live = t < end
+        s, r, t, t_live = _block(sched_ptr, ranks_ptr, b, NB, BLOCK_T)
         acc = tl.zeros((BLOCK_T, COL_TILE), tl.float32)
         for kt in range(0, tl.cdiv(r, RANK_TILE)):              # ceil(r / RANK_TILE) rank tiles
             j = kt * RANK_TILE + tl.arange(0, RANK_TILE)         # B rows
