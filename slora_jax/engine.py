@@ -547,10 +547,20 @@ class Engine:
                 samplers.add(i)
             at += n
         reqs = [c[0] for c in chunks]
-        # Without context the page table is not read: one column keeps the shape fixed.
-        table = self._page_table(reqs, s) if context else np.full((s, 1), NULL_PAGE, np.int32)
+        # Without context the page table is not read: one column keeps the shape fixed. With it,
+        # only the sequences that have context get rows (a prompt's later chunk beside fresh
+        # prompts reads its own pages, not every row's at its page count).
+        table, ctx_seq = np.full((s, 1), NULL_PAGE, np.int32), None
+        if context:
+            rows = [i for i, (_, start, _) in enumerate(chunks) if start > 0]
+            c = _pow2(len(rows))
+            table = self._page_table([reqs[i] for i in rows], c)
+            ctx_seq = np.full(c, -1, np.int32)
+            ctx_seq[:len(rows)] = rows
+            ctx_lens = np.zeros(c, np.int32)
+            ctx_lens[:len(rows)] = [chunks[i][1] for i in rows]
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot, token_seq=token_seq,
-                               page_table=table, ctx_lens=ctx_lens, sample_idx=sample_idx,
+                               page_table=table, ctx_lens=ctx_lens, sample_idx=sample_idx, ctx_seq=ctx_seq,
                                lora=self._lora_inputs(token_reqs, t, decode=False), decode=False,
                                attention_backend=self.opts.attention_backend,
                                query_block=self.opts.prefill_query_block, prefill_context=context,

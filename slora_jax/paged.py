@@ -67,6 +67,9 @@ class StepInputs:
     # the key_window new tokens before it and its own (no chunk is longer than key_window).
     prefill_context: bool = flax.struct.field(pytree_node=False, default=True)
     key_window: int = flax.struct.field(pytree_node=False, default=0)
+    # Packed prefill with context: the rows of page_table and ctx_lens are only the sequences that
+    # have context, ctx_seq [C] their sequence rows (-1: padding). None: row i is sequence i.
+    ctx_seq: jax.Array | None = None
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
@@ -154,7 +157,8 @@ def paged_attention_xla(q, k, v, pool_layer, inp: StepInputs):
         mask = (seq_b[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_b[:, None])  # [B, keys]
         keys, vals = kn, vn
         if inp.prefill_context:
-            same = seq_b[:, None] == jnp.arange(s)[None, :]                              # [B, S]
+            rows = jnp.arange(s) if inp.ctx_seq is None else inp.ctx_seq
+            same = seq_b[:, None] == rows[None, :]                                       # [B, S]
             ctx_mask = (same[:, :, None] & in_ctx[None]).reshape(qb.shape[0], ctx_keys)
             mask = jnp.concatenate([ctx_mask, mask], axis=1)
             keys, vals = jnp.concatenate([pooled_k, kn], axis=0), jnp.concatenate([pooled_v, vn], axis=0)

@@ -579,13 +579,14 @@ def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkey
     def spy(params, pool, inp, **kw):
         if not inp.decode:
             seen.append((inp.prefill_context, inp.key_window, inp.tokens.shape[0], inp.page_table.shape[0]))
+            assert inp.sample_idx.shape[0] == 16
         return step(params, pool, inp, **kw)
     monkeypatch.setattr(paged, "step", spy)
     outs = engine.generate(prompts, SP, adapter=names)
     # 120 prompt tokens, 64 a step. Split: 6 prompts + 4 tokens of the 7th, fresh (no pooled
-    # keys), then the 7th's other 6 (pooled context) + 5 prompts. Whole: 6 prompts, then 6 more,
-    # both fresh (60 tokens in 64). 16 sequence rows.
-    assert seen == [(False, 16, 64, 16), (split, 16, 64, 16)], seen
+    # keys), then the 7th's other 6 (pooled context: its page-table row alone) + 5 prompts.
+    # Whole: 6 prompts, then 6 more, both fresh (60 tokens in 64). 16 sequence rows.
+    assert seen == [(False, 16, 64, 16), (split, 16, 64, 1 if split else 16)], seen
     loaded = {n: load_peft_adapter(paths[n], CFG) for n in ("a", "b", "c")}
     want = ReferenceEngine(CFG, engine.params, "float32").generate(
         prompts, [SP] * 12, [0] * 12, [loaded[a] if a else None for a in names], CFG.eos_token_ids)
@@ -664,4 +665,28 @@ def test_batches_of_adapters_with_other_targets_share_a_module_set(paths, ref, m
         assert_same(engine.generate([W_PROMPTS[k]], SP, adapter=W_NAMES[k]), [ref["old"][k]])
         assert set(seen) == {want}, (W_NAMES[k], set(seen))
     assert len(every) == 7
+    assert_drained(engine)
+
+
+def test_long_prompt_chunks_beside_fresh_prompts_match_reference(paths, monkeypatch):
+    """A prompt longer than a step's budget is chunked; its later chunks (pooled context, their own
+    page-table row) share steps with fresh prompts. Every output is the reference's."""
+    from slora_jax import paged
+    engine = make_llm(paths, page_size=4, pool_pages=BIG * 4, max_prefill_tokens=16, max_prefill_seqs=4)
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, n)] for n in (40, 5, 7, 3)]
+    names = ["a", None, "b", "c"]
+    rows, step = [], paged.step
+
+    def spy(params, pool, inp, **kw):
+        if not inp.decode and inp.prefill_context:
+            rows.append(int((np.asarray(inp.ctx_seq) >= 0).sum()))
+        return step(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    outs = engine.generate(prompts, SP, adapter=names)
+    assert rows and max(rows) == 1, rows  # only the long prompt ever has context
+    loaded = {n: load_peft_adapter(paths[n], CFG) for n in ("a", "b", "c")}
+    want = ReferenceEngine(CFG, engine.params, "float32").generate(
+        prompts, [SP] * 4, [0] * 4, [loaded[a] if a else None for a in names], CFG.eos_token_ids)
+    assert_same(outs, want)
     assert_drained(engine)
