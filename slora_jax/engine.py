@@ -387,13 +387,11 @@ class Engine:
         zeros = np.zeros(t, np.int32)
         if lora is not None:
             modules, sa = lora
-            rank, width = self.opts.max_lora_rank, self.cfg.kv_size
-            rows = {m: (np.zeros((sa, paged.rows_needed(rank, self.cfg.module_shape(m)[0], width)), np.int32),
-                        np.zeros((sa, paged.rows_needed(rank, self.cfg.module_shape(m)[1], width)), np.int32))
-                    for m in modules}
+            arrays = {m: self._empty_lora_arrays(m, sa) for m in modules}
             lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=np.zeros(sa + 1, np.int32),
-                                    rows=rows, ranks={m: np.zeros(sa, np.int32) for m in modules},
-                                    max_rank=rank, backend=self.opts.lora_backend if decode
+                                    rows={m: (a, b) for m, (a, b, _) in arrays.items()},
+                                    ranks={m: rk for m, (_, _, rk) in arrays.items()},
+                                    max_rank=self.opts.max_lora_rank, backend=self.opts.lora_backend if decode
                                     else self.opts.prefill_lora_backend)
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
@@ -498,14 +496,9 @@ class Engine:
             raise AssertionError("LoRA tokens are not grouped by adapter; call _group_by_adapter")
         counts = np.bincount(live, minlength=sa)
         seg_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        rank = self.opts.max_lora_rank
-        width = self.cfg.kv_size
         rows, ranks = {}, {}
         for module in self._step_modules(entries):
-            fin, fout = self.cfg.module_shape(module)
-            a = np.zeros((sa, paged.rows_needed(rank, fin, width)), np.int32)
-            b = np.zeros((sa, paged.rows_needed(rank, fout, width)), np.int32)
-            rk = np.zeros(sa, np.int32)
+            a, b, rk = self._empty_lora_arrays(module, sa)
             for i, e in enumerate(entries):
                 m = e.layout.modules.get(module)
                 if m is None:
@@ -516,7 +509,15 @@ class Engine:
                 rk[i] = m.rank
             rows[module], ranks[module] = (a, b), rk
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
-                                max_rank=rank, backend=backend)
+                                max_rank=self.opts.max_lora_rank, backend=backend)
+
+    def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A module's (A rows [sa, RA], B rows [sa, RB], ranks [sa]) with every slot empty (the
+        null page, rank 0), at max_lora_rank: what a step fills in for its adapters."""
+        rank, width = self.opts.max_lora_rank, self.cfg.kv_size
+        fin, fout = self.cfg.module_shape(module)
+        return (np.zeros((sa, paged.rows_needed(rank, fin, width)), np.int32),
+                np.zeros((sa, paged.rows_needed(rank, fout, width)), np.int32), np.zeros(sa, np.int32))
 
     def _prefill_inputs(self, chunks):
         total = sum(end - start for _, start, end in chunks)

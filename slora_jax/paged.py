@@ -120,10 +120,11 @@ def paged_attention_xla(q, k, v, pool_layer, inp: StepInputs):
     s, p = inp.page_table.shape
     ps = pool_layer.shape[2]
     kvh, d = k.shape[1], k.shape[2]
-    kv = pool_layer[inp.page_table]  # [S, P, 2, ps, W]
-    pk = kv[:, :, 0].reshape(s, p * ps, kvh, d)
-    pv = kv[:, :, 1].reshape(s, p * ps, kvh, d)
-    in_ctx = jnp.arange(p * ps)[None, :] < inp.ctx_lens[:, None]  # [S, C]
+    if inp.decode or inp.prefill_context:  # a fresh-prompt prefill step reads no pooled page
+        kv = pool_layer[inp.page_table]  # [S, P, 2, ps, W]
+        pk = kv[:, :, 0].reshape(s, p * ps, kvh, d)
+        pv = kv[:, :, 1].reshape(s, p * ps, kvh, d)
+        in_ctx = jnp.arange(p * ps)[None, :] < inp.ctx_lens[:, None]  # [S, C]
     if inp.decode:  # token i is sequence i
         keys = jnp.concatenate([pk, k[:, None]], axis=1)
         vals = jnp.concatenate([pv, v[:, None]], axis=1)
