@@ -17,6 +17,7 @@ export SLORA_COMMIT=${SLORA_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|orbax-checkpoint|safetensors|torch|transformers|peft|triton|jax-triton|numpy) " \
   | tee "$OUT/versions.txt"
+source bench/xla_cache.sh
 rc=0
 has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
@@ -50,8 +51,8 @@ fi
 if has compile; then
   # Start-up cost: every step bucket of an S2-sized llama-7b engine, one decoder layer per bucket,
   # then the whole unrolled model (bench/warmup_time.py; the persistent cache is off there).
-  for pl in 1 0; do
-    timeout "${T_COMPILE:-280}" python3 bench/warmup_time.py --model llama-7b --per-layer $pl \
+  for pl in ${COMPILE_MODES:-1 0}; do
+    env -u JAX_COMPILATION_CACHE_DIR timeout "${T_COMPILE:-280}" python3 bench/warmup_time.py --model llama-7b --per-layer $pl \
       --out "$OUT/warmup_time-per_layer$pl.json" > "$OUT/warmup_time-per_layer$pl.log" 2>&1
     echo "warmup_time per_layer=$pl rc=$?"
     grep -E '"(shapes|warmup_s|compiles_after_warmup)"' "$OUT/warmup_time-per_layer$pl.log"
@@ -64,4 +65,5 @@ if has profile; then
   echo "profile_step rc=$?"
   grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -45
 fi
+xla_cache_save
 exit $rc

@@ -16,6 +16,7 @@ export SLORA_COMMIT=$commit
 RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
+source bench/xla_cache.sh
 group=${1:?usage: gpu_variants.sh s1|s2}
 # RUN_ARGS: more run.py arguments for every variant, e.g.
 # RUN_ARGS="--engine compile_per_layer=true --warmup-workers 8"
@@ -63,5 +64,7 @@ case $group in
     ;;
   *) echo "unknown group $group (s1, s2)"; exit 2 ;;
 esac
-[[ -n ${OUT:-} ]] && mkdir -p "$OUT" && cp -r "$RES"/. "$OUT"/
+# $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
+[[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \
+  cp "$RES/variants-$group.log" "$OUT"/ && xla_cache_save
 ls "$RES"
