@@ -81,7 +81,7 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     lora, attn, *rest = pair.split("/")
     eng = llm.engine
     eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
-    eng.opts.prefill_lora_backend = lora
+    eng.opts.prefill_lora_backend = "pallas" if lora == "hybrid" else lora
     eng.opts.compile_per_layer = rest == ["layer"]
     eng._decode_pages = eng.decode_page_floor()
     return lora, attn
@@ -191,6 +191,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--distinct-files", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--ranks", default=None,
+                    help="comma list: adapter file i has rank ranks[i %% len] (S2: 64,32,16,8); "
+                         "max_lora_rank becomes their max (overrides --rank)")
+    ap.add_argument("--decode-adapters", default="32",
+                    help="comma list: distinct adapters in the decode rows (each capped at the batch)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
@@ -214,8 +219,10 @@ def main() -> None:
               "dtype": args.dtype, "page_size": args.page_size}
     t0 = time.perf_counter()
     max_seqs = max(args.requests, *(int(b) for b in args.batches.split(",")))
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [args.rank]
+    decode_counts = [int(n) for n in args.decode_adapters.split(",")]
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
-              max_num_seqs=max_seqs, max_lora_rank=args.rank, max_prefill_tokens=2048,
+              max_num_seqs=max_seqs, max_lora_rank=max(ranks), max_prefill_tokens=2048,
               max_prefill_seqs=16, memory_fraction=0.7, max_adapters_per_batch=max_seqs,
               min_decode_batch=args.min_decode_batch)
     result["load_s"] = time.perf_counter() - t0
@@ -228,13 +235,13 @@ def main() -> None:
     print("pool", result["pool"], flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="slora-bench-"))
-    files = [random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
+    files = [random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=ranks[i % len(ranks)],
                                  targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
              for i in range(args.distinct_files)]
     n_max = max(int(n) for n in args.adapter_counts.split(","))
     t0 = time.perf_counter()
     names = []
-    for i in range(max(n_max, 32)):
+    for i in range(max(n_max, *decode_counts)):
         llm.load_adapter(f"lora-{i}", files[i % len(files)])
         names.append(f"lora-{i}")
     result["register_s"] = time.perf_counter() - t0
@@ -249,7 +256,7 @@ def main() -> None:
         for pair in pairs:
             set_backends(llm, pair)
             for b in (int(x) for x in args.batches.split(",")):
-                for ads in ([], names[:min(b, 32)]):
+                for ads in ([], *(names[:k] for k in sorted({min(b, n) for n in decode_counts}))):
                     try:
                         r = bench_decode(llm, b, args.context, ads, args.iters, bw)
                     except Exception as e:  # noqa: BLE001 - a backend that fails is recorded, the rest still run

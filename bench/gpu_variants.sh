@@ -17,7 +17,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2}
+group=${1:?usage: gpu_variants.sh s1|s2|s4}
 # RUN_ARGS: more run.py arguments for every variant, e.g.
 # RUN_ARGS="--engine compile_per_layer=true --warmup-workers 8"
 RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -25,30 +25,47 @@ RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapter
 case $group in
   s2)
     # (run.py first compiles every step bucket of the base model and of the adapters' modules.)
-    # 1-2: the paper's point (Table 3: R = 10, S-LoRA 6.69 req/s on an A100-80GB): n = 1000 and
-    #      the base model alone on the same trace.
-    # 3: offered well above capacity: the completed req/s is the capacity later rates are set from.
-    # 4-5: prefetch on/off at half that capacity: TTFT of cold- vs warm-adapter requests (issue 5).
-    # 6-11: twice the capacity, cv 1/4/8, early abort vs FCFS: SLO attainment (issue 5).
-    # 12: the base model at the same overload as 3 (capacity ratio, issue 7's >= 0.9x).
-    # 13: mixed steps (decode tokens in chunked-prefill steps) at half capacity, against 4.
+    # 1-2: capacity: n = 1000 and the base model alone offered 40 req/s, well above what either
+    #      serves; completed req/s is the capacity (issue 7's >= 0.9x is 1 / 2). Later rates are
+    #      set from 1.
+    # 3-4: the same with decode LoRA through the kernel past 32 distinct adapters ("hybrid") and
+    #      always ("pallas"): at S2's mixed ranks the one-hot path gathers every slot at rank 64.
+    # 5-6: the paper's point (Table 3: R = 10, S-LoRA 6.69 req/s on an A100-80GB), and the base.
+    # 7-8: prefetch on/off at half the capacity: TTFT of cold- vs warm-adapter requests (issue 5).
+    # 9-14: four times the capacity, cv 1/4/8, early abort vs FCFS: SLO attainment (issue 5).
+    #      (At twice the capacity for 20 s every first token still came within 6 s: admission
+    #      grows the batch and decode slows, so nothing separates the policies there.)
+    # 15: mixed steps (decode tokens in chunked-prefill steps) at half capacity, against 7.
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 40 --max-wall-s 70 --engine min_decode_batch=16 \
-      --variant "S2-unified-n1000-R10:--rate 10 --warmup-s 5" \
-      --variant "S2-base-R10:--mode base --rate 10 ${short[*]}" \
-      --variant "$cap:--rate 40 --duration-s 30 --max-wall-s 50 ${short[*]}" \
-      --variant "S2-n1000-prefetch-on:--rate-from $cap:0.5 --duration-s 30 --warmup-s 5" \
-      --variant "S2-n1000-prefetch-off:--rate-from $cap:0.5 --duration-s 30 --warmup-s 5 --engine prefetch_adapters=0" \
-      --variant "S2-n1000-overload-cv1-abort:--rate-from $cap:2 --cv 1 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
-      --variant "S2-n1000-overload-cv1-fcfs:--rate-from $cap:2 --cv 1 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
-      --variant "S2-n1000-overload-cv4-abort:--rate-from $cap:2 --cv 4 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
-      --variant "S2-n1000-overload-cv4-fcfs:--rate-from $cap:2 --cv 4 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
-      --variant "S2-n1000-overload-cv8-abort:--rate-from $cap:2 --cv 8 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
-      --variant "S2-n1000-overload-cv8-fcfs:--rate-from $cap:2 --cv 8 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
-      --variant "S2-base-R40:--mode base --rate 40 --duration-s 30 --max-wall-s 50 ${short[*]}" \
-      --variant "S2-n1000-mixed-steps:--rate-from $cap:0.5 --duration-s 30 --warmup-s 5 --engine mixed_steps=true" \
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "$cap:--rate 40 ${short[*]}" \
+      --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
+      --variant "S2-unified-n1000-R40-hybrid:--rate 40 ${short[*]} --engine lora_backend=hybrid" \
+      --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
+      --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
+      --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
+      --variant "S2-n1000-prefetch-on:--rate-from $cap:0.5 --warmup-s 5" \
+      --variant "S2-n1000-prefetch-off:--rate-from $cap:0.5 --warmup-s 5 --engine prefetch_adapters=0" \
+      --variant "S2-n1000-overload-cv1-abort:--rate-from $cap:4 --cv 1 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-overload-cv1-fcfs:--rate-from $cap:4 --cv 1 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-overload-cv4-abort:--rate-from $cap:4 --cv 4 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-overload-cv4-fcfs:--rate-from $cap:4 --cv 4 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-overload-cv8-abort:--rate-from $cap:4 --cv 8 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-overload-cv8-fcfs:--rate-from $cap:4 --cv 8 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
+      --variant "S2-n1000-mixed-steps:--rate-from $cap:0.5 --warmup-s 5 --engine mixed_steps=true" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
+    ;;
+  s4)
+    # Issue 7's memory ablation, S4 (ranks 64, 32) at n = 400, R = 6 (paper, A100-80GB: unified
+    # 4.06 req/s, separate region 2.64, padded batched matmul 0.17): the unified pool, then a
+    # reserved adapter region (e) of S4_REGION_PAGES, then the base model. Padded slots (d) need a
+    # run of their own (their engine has a fixed slot bucket): gpu_suite.sh S4-padded-n400-R6.
+    "${RUN[@]}" --workload "S4$WL" --n 400 --rate 6 --duration-s 60 --max-wall-s 90 --warmup-s 5 \
+      --variant "S4-unified-n400-R6" \
+      --variant "S4-separate-n400-R6:--mode separate --adapter-region-pages ${S4_REGION_PAGES:-1024}" \
+      --variant "S4-base-R6:--mode base --no-requests" \
+      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s4.log"
     ;;
   s1)
     # S1 (rank 8) at n = 2000: the offered rate up to where SLO attainment falls below 0.9 (target:
@@ -62,7 +79,7 @@ case $group in
       --variant "S1-unified-n2000-R50:--rate 50" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
     ;;
-  *) echo "unknown group $group (s1, s2)"; exit 2 ;;
+  *) echo "unknown group $group (s1, s2, s4)"; exit 2 ;;
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \

@@ -785,10 +785,20 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         gc.collect()
         llm.options = EngineOptions(**opts)
         llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
+    variant_warmup = None
+    if opts != {**opts0, "pool_pages": num_pages}:
+        # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile
+        # them before serving; the ones the first warm-up compiled are in-memory cache hits.
+        t = time.perf_counter()
+        shapes = llm.warmup(max_context=w.input_range[1] + w.output_range[1], progress=False)
+        variant_warmup = {"shapes": shapes, "seconds": time.perf_counter() - t}
+        print(f"[variants] {name}: warm-up of its engine options, {shapes} shapes in "
+              f"{variant_warmup['seconds']:.0f} s", flush=True)
     names = None if v.mode == "base" else [adapter_name(i) for i in range(w.n)]
     result = header([*argv, f"# variant {name}"])
     result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
-                  engine_options=opts, **loads, shared_process=k > 0, rate_from=v.rate_from)
+                  engine_options=opts, **loads, shared_process=k > 0, rate_from=v.rate_from,
+                  variant_warmup=variant_warmup)
     t0 = time.perf_counter()
     result["pool_at_start"] = llm.stats()
     warmup_trace(llm, w, names, result)

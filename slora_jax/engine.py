@@ -67,6 +67,10 @@ class EngineOptions(SchedulerOptions):
     lora_backend: str = "auto"             # "auto": see default_backends()
     attention_backend: str = "auto"
     prefill_lora_backend: str = "auto"     # "auto": lora_backend if that was given, else see above
+    # lora_backend="hybrid": a decode step with at most this many distinct adapters takes the
+    # one-hot path (xla), one with more the Pallas kernel. One-hot work grows with slots x batch
+    # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
+    lora_hybrid_slots: int = 32
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -101,10 +105,16 @@ class EngineOptions(SchedulerOptions):
         if self.attention_backend not in ("xla", "pallas"):
             raise ValueError(f"attention_backend must be 'xla' or 'pallas', got "
                              f"{self.attention_backend!r}")
+        if self.prefill_lora_backend == "hybrid":  # the kernels skip empty slots: prefill needs no switch
+            self.prefill_lora_backend = "pallas"
+        h = self.lora_hybrid_slots
+        if isinstance(h, bool) or not isinstance(h, int) or h < 8 or h & (h - 1):
+            raise ValueError(f"lora_hybrid_slots must be a power of two >= 8, got {h!r}")
         for name in ("lora_backend", "prefill_lora_backend"):
             value = getattr(self, name)
-            if value not in ("xla", "pallas", "triton"):
-                raise ValueError(f"{name} must be 'xla', 'pallas' or 'triton', got {value!r}")
+            allowed = ("xla", "pallas", "triton", "hybrid") if name == "lora_backend" else ("xla", "pallas", "triton")
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
             if value == "triton":
                 from triton_kernels.lora import unavailable_reason
                 reason = unavailable_reason()
@@ -372,13 +382,26 @@ class Engine:
     def _slot_bucket(self, n: int, rows: int, decode: bool) -> int:
         """Slots for n distinct adapters in a step of `rows` tokens. The one-hot path costs
         work per slot, so its bucket follows n (powers of two, at least 8, at most the batch); the
-        kernels skip empty slots, so prefill under them keeps one bucket."""
+        kernels skip empty slots, so prefill under them keeps one bucket, and a hybrid decode step
+        past lora_hybrid_slots takes the batch's own bucket (the kernel's; see _step_backend)."""
         if self._lora_slots:
             return self._lora_slots
         backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
+        if decode and backend == "hybrid" and n > self.opts.lora_hybrid_slots:
+            return _pow2(rows)
         if decode or backend == "xla":
             return min(_pow2(rows), max(8, _pow2(n)))
         return _pow2(max(n, self.opts.max_prefill_seqs))
+
+    def _step_backend(self, slots: int, decode: bool) -> str:
+        """The LoRA backend of a step with `slots` adapter slots. Under "hybrid" the slot bucket
+        says which: one-hot buckets stay at or below lora_hybrid_slots (a power of two), kernel
+        buckets are above it."""
+        if not decode:
+            return self.opts.prefill_lora_backend
+        if self.opts.lora_backend == "hybrid":
+            return "pallas" if slots > self.opts.lora_hybrid_slots else "xla"
+        return self.opts.lora_backend
 
     def _null_inputs(self, t: int, s: int, p: int, decode: bool, lora=None, key_window: int = 0
                      ) -> paged.StepInputs:
@@ -391,8 +414,7 @@ class Engine:
             lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=np.zeros(sa + 1, np.int32),
                                     rows={m: (a, b) for m, (a, b, _) in arrays.items()},
                                     ranks={m: rk for m, (_, _, rk) in arrays.items()},
-                                    max_rank=self.opts.max_lora_rank, backend=self.opts.lora_backend if decode
-                                    else self.opts.prefill_lora_backend)
+                                    max_rank=self.opts.max_lora_rank, backend=self._step_backend(sa, decode))
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
@@ -482,8 +504,8 @@ class Engine:
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
         if not entries:
             return None
-        backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
         sa = self._slot_bucket(len(entries), t, decode)
+        backend = self._step_backend(sa, decode)
         assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
         token_slot = np.full(t, -1, np.int32)

@@ -617,6 +617,43 @@ def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypat
     assert_drained(engine)
 
 
+def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
+    """lora_backend="hybrid": a decode step with at most lora_hybrid_slots distinct adapters
+    takes the one-hot path at its bucket, one with more the Pallas kernel at the batch's bucket;
+    prefill takes the kernel. Twelve names over three adapter files (each name its own pages),
+    then four: the tokens are the reference's both ways."""
+    from slora_jax import paged
+    from slora_jax.engine import EngineOptions
+    with pytest.raises(ValueError, match="lora_hybrid_slots"):
+        EngineOptions(lora_backend="hybrid", lora_hybrid_slots=12)
+    assert EngineOptions(lora_backend="hybrid").prefill_lora_backend == "pallas"
+    files = ["a", "b", "c"]
+    names = [f"{files[i % 3]}{i}" for i in range(12)]
+    engine = LLM("tiny", adapters={n: paths[n[0]] for n in names}, dtype="float32", page_size=16,
+                 pool_pages=BIG * 2, lora_backend="hybrid", lora_hybrid_slots=8, max_num_seqs=16)
+    seen, step = set(), paged.step
+
+    def spy(params, pool, inp, **kw):
+        if inp.lora is not None:
+            seen.add((inp.decode, inp.lora.backend, len(inp.lora.seg_starts) - 1))
+        return step(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, n)] for n in rng.integers(2, 9, 12)]
+    loaded = {n: load_peft_adapter(paths[n], CFG) for n in files}
+    reference = ReferenceEngine(CFG, engine.params, "float32")
+    for k in (12, 4):
+        seen.clear()
+        outs = engine.generate(prompts[:k], SP, adapter=names[:k])
+        want = reference.generate(prompts[:k], [SP] * k, [0] * k, [loaded[n[0]] for n in names[:k]],
+                                  CFG.eos_token_ids)
+        assert_same(outs, want)
+        decode = {x for x in seen if x[0]}
+        assert decode == ({(True, "pallas", 16)} if k == 12 else {(True, "xla", 4)}), seen  # 4 rows
+        assert {x[1] for x in seen if not x[0]} == {"pallas"}, seen
+    assert_drained(engine)
+
+
 def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     """With adapters registered, warmup also compiles every LoRA slot bucket on their modules: the
     mixed batch W then runs without a new step shape, and as the reference."""
