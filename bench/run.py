@@ -302,6 +302,9 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
         "kv_pool_share_mean": float((s[:, 2] / total).mean()) if len(s) else 0.0,
         "total_pages": int(after["total_pages"]), "page_size": after["page_size"],
         "compiles": counter.count, "compile_s": counter.seconds, "wall_s": wall, "cut_off": cut,
+        # the engine's step phases over the run (Engine.host_seconds): host work vs device wait
+        "step_seconds": {k: after["host_seconds"][k] - before["host_seconds"].get(k, 0.0)
+                         for k in after.get("host_seconds", {})},
     }
     return recs, pool
 

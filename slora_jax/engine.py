@@ -165,6 +165,11 @@ class Engine:
         self.sched = Scheduler(self.pool, opts, self.ps, store.entries.get, clock=clock,
                                cost=StepCostModel(), metrics=self.metrics)
         self.step_count = 0
+        # Seconds of the steps' wall time by phase: the host's (schedule, adapter page-ins, input
+        # building, dispatch, prefetch, completion) run while the device idles, except prefetch
+        # and what overlaps the device; device_wait is what is left of the step after dispatch.
+        self.host_seconds = dict.fromkeys(
+            ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device_wait", "complete"), 0.0)
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
         self._decode_pages = self.decode_page_floor()
@@ -284,11 +289,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one prefill or decode step; returns the requests that finished in it (aborted
         ones included)."""
+        t0 = time.perf_counter()
         plan = self.sched.schedule()
+        t1 = time.perf_counter()
         self._write_adapters(plan.loads)
         if not plan.chunks:
             self.sched.refresh_gauges()
             return plan.finished
+        t2 = time.perf_counter()
         _group_by_adapter(plan.chunks)
         inp, _ = self._inputs(plan)
         shape = (plan.kind, jax.tree_util.tree_structure(inp),
@@ -301,14 +309,25 @@ class Engine:
         # While the device runs the step: copy in what the next batch is predicted to need.
         t_pre = time.perf_counter()
         self._write_adapters(self.sched.prefetch(plan), speculative=True)
-        t_pre = time.perf_counter() - t_pre
+        t_wait = time.perf_counter()
+        t_pre = t_wait - t_pre
         results = np.asarray(results)
-        seconds = time.perf_counter() - t
+        t_done = time.perf_counter()
+        seconds = t_done - t
         self.step_count += 1
         # A first run includes its compile, and a slow prefetch (disk) can outlast the step:
         # neither says how long such a step takes.
         timed = not first_run and t_pre < 0.5 * seconds
-        return plan.finished + self.sched.complete(plan, results, seconds if timed else None)
+        finished = plan.finished + self.sched.complete(plan, results, seconds if timed else None)
+        h = self.host_seconds  # where a step's wall time goes, summed (see stats())
+        h["schedule"] += t1 - t0
+        h["adapter_loads"] += t2 - t1
+        h["inputs"] += t - t2
+        h["dispatch"] += (t_wait - t) - t_pre
+        h["prefetch"] += t_pre
+        h["device_wait"] += t_done - t_wait
+        h["complete"] += time.perf_counter() - t_done
+        return finished
 
     def warmup_shapes(self, max_context: int | None = None, lora: bool = True) -> list[paged.StepInputs]:
         """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
@@ -493,12 +512,37 @@ class Engine:
         """Row indices of a resident adapter's pages, computed once per residency (a reload gets
         a new page list, so the cache entry is checked by identity), not every step."""
         pages = self.pool.adapters[entry.key]
+        return self._residency(entry)[1]
+
+    def _residency(self, entry: AdapterEntry) -> tuple:
+        """(page list, row indices, {module set: slot record}) of a resident adapter, rebuilt
+        when it is reloaded (a new page list, checked by identity)."""
+        pages = self.pool.adapters[entry.key]
         hit = self._rows.get(entry.key)
         if hit is None or hit[0] is not pages:
             if len(self._rows) > 4 * max(len(self.pool.adapters), 64):  # drop the evicted ones
                 self._rows = {k: v for k, v in self._rows.items() if k in self.pool.adapters}
-            hit = self._rows[entry.key] = (pages, page_rows(pages, entry.layout.rows, self.ps))
-        return hit[1]
+            hit = self._rows[entry.key] = (pages, page_rows(pages, entry.layout.rows, self.ps), {})
+        return hit
+
+    def _slot_record(self, entry: AdapterEntry, modules: tuple[str, ...]) -> np.ndarray:
+        """One LoRA slot's inputs for a step carrying `modules`, flat: per module its A rows and
+        B rows (padded with the null page's row 0 to max_lora_rank's row counts) and its rank
+        (0 where the adapter does not target it). Cached per residency: a step stacks these."""
+        _, all_rows, records = self._residency(entry)
+        rec = records.get(modules)
+        if rec is None:
+            parts = []
+            for module in modules:
+                a, b, rk = self._empty_lora_arrays(module, 1)
+                m = entry.layout.modules.get(module)
+                if m is not None:
+                    a[0, :m.a_rows] = all_rows[m.a_row:m.a_row + m.a_rows]
+                    b[0, :m.b_rows] = all_rows[m.b_row:m.b_row + m.b_rows]
+                    rk[0] = m.rank
+                parts += [a[0], b[0], rk]
+            rec = records[modules] = np.concatenate(parts)
+        return rec
 
     def _lora_inputs(self, token_reqs: list[Request | None], t: int, *, decode: bool) -> paged.LoraInputs | None:
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
@@ -518,18 +562,18 @@ class Engine:
             raise AssertionError("LoRA tokens are not grouped by adapter; call _group_by_adapter")
         counts = np.bincount(live, minlength=sa)
         seg_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        rows, ranks = {}, {}
-        for module in self._step_modules(entries):
-            a, b, rk = self._empty_lora_arrays(module, sa)
-            for i, e in enumerate(entries):
-                m = e.layout.modules.get(module)
-                if m is None:
-                    continue
-                all_rows = self._adapter_rows(e)
-                a[i, :m.a_rows] = all_rows[m.a_row:m.a_row + m.a_rows]
-                b[i, :m.b_rows] = all_rows[m.b_row:m.b_row + m.b_rows]
-                rk[i] = m.rank
-            rows[module], ranks[module] = (a, b), rk
+        modules = self._step_modules(entries)
+        stacked = np.stack([self._slot_record(e, modules) for e in entries])
+        table = np.zeros((sa, stacked.shape[1]), np.int32)  # empty slots: null page, rank 0
+        table[:len(entries)] = stacked
+        rows, ranks, at = {}, {}, 0
+        for module in modules:
+            a, b, _ = self._empty_lora_arrays(module, 0)
+            ra, rb = a.shape[1], b.shape[1]
+            rows[module] = (np.ascontiguousarray(table[:, at:at + ra]),
+                            np.ascontiguousarray(table[:, at + ra:at + ra + rb]))
+            ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
+            at += ra + rb + 1
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
                                 max_rank=self.opts.max_lora_rank, backend=backend)
 
@@ -597,11 +641,12 @@ class Engine:
         positions = np.zeros(s, np.int32)
         kv_slot = np.zeros(s, np.int32)
         ctx_lens = np.zeros(s, np.int32)
+        ps, kv = self.ps, self.pool.kv
         for i, req in enumerate(batch):
-            tokens[i] = req.tokens[req.num_computed]
-            positions[i] = req.num_computed
-            kv_slot[i] = self._kv_slots(req, positions[i:i + 1])[0]
-            ctx_lens[i] = req.num_computed
+            pos = req.num_computed
+            tokens[i] = req.tokens[pos]
+            positions[i] = ctx_lens[i] = pos
+            kv_slot[i] = kv[req.rid][pos // ps] * ps + pos % ps
         table = self._page_table(batch, s, self._decode_pages)
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot,
                                token_seq=np.arange(s, dtype=np.int32), page_table=table,
@@ -656,5 +701,5 @@ class Engine:
             "resident_adapters": len(self.pool.adapters), "running": len(self.running),
             "waiting": len(self.waiting), "page_size": self.ps, "evictions": self.pool.evictions,
             "preempted": self.num_preempted, "steps": self.step_count,
-            "adapter_disk_loads": self.store.disk_loads,
+            "adapter_disk_loads": self.store.disk_loads, "host_seconds": dict(self.host_seconds),
         }

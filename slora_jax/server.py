@@ -603,6 +603,14 @@ class _EngineCollector:
                 g = GaugeMetricFamily(f"slora_engine_{key}", f"Engine.stats()['{key}']")
                 g.add_metric([], float(value))
                 yield g
+        phases = s.engine.last_stats.get("host_seconds") or {}
+        if phases:
+            from prometheus_client.core import CounterMetricFamily
+            c = CounterMetricFamily("slora_engine_step_phase_seconds",
+                                    "Seconds of engine steps by phase (host work vs device wait)", labels=["phase"])
+            for phase, seconds in sorted(phases.items()):
+                c.add_metric([phase], float(seconds))
+            yield c
         g = GaugeMetricFamily("slora_requests_in_flight", "Requests accepted and not yet answered")
         g.add_metric([], float(s.engine.in_flight))
         yield g

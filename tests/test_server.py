@@ -403,6 +403,9 @@ def test_metrics_parse(live, client):
     assert {"tiny", ADAPTERS[5]} <= per_model
     assert fams["slora_engine_kv_pages"].samples[0].value == 0
     assert fams["slora_step_duration_seconds"].type == "histogram"
+    phases = {s.labels["phase"]: s.value for s in fams["slora_engine_step_phase_seconds"].samples}
+    assert {"schedule", "inputs", "device_wait", "complete"} <= set(phases), phases
+    assert phases["device_wait"] > 0 and all(v >= 0 for v in phases.values()), phases
 
 
 def test_cli_serve(demo):
