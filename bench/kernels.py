@@ -8,7 +8,9 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
 (mixed ranks); max rank 64 (the engine's bucket). Module shapes of llama-7b: q/k/v/o (H->H), gate/up
 (H->I), down (I->H); pool width W = kv_size. Variants, timed in one run on the same inputs:
 
-  pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels
+  pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels,
+           given the block schedule built on the host (pallas_kernels.lora.block_schedule), as the
+           engine passes it
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
   one-hot  slora_jax.paged.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
@@ -219,6 +221,9 @@ class LoraPool:
                 "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
                 "ranks": jnp.asarray(self.ranks[m]),
                 "seg": jnp.asarray(np.arange(n + 1, dtype=np.int32) * (t // n)),
+                # the kernels' block schedule, built on the host as the engine builds it
+                "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
         return out
@@ -256,7 +261,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
-        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, **kw)
+        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["schedule"],
+                          **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
@@ -282,7 +288,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     def triton(rows, s):
         x, a, b, r, seg = args(s)
-        return triton_lora.lora_delta(x, rows, a, b, r, seg, **kw)
+        return triton_lora.lora_delta(x, rows, a, b, r, seg, schedule=s["schedule"], **kw)
 
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
                 "triton": triton if opts["triton"] else None}  # None: reported as n/a

@@ -40,6 +40,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 from jax.experimental.pallas import triton as plgpu
@@ -169,11 +170,39 @@ def _block_schedule(ranks, seg_starts, t: int, block_t: int):
     return sched, ends[-1:].astype(jnp.int32), nb
 
 
-def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int):
+def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T):
+    """`_block_schedule` on the host (numpy): (sched [3, NB], total [1]) int32, the same arrays.
+    The engine builds it once per step and module while it builds the step's other inputs, and
+    passes it as `schedule=`: the kernels then launch without the schedule's small XLA ops."""
+    ranks = np.asarray(ranks, np.int32)
+    sa = ranks.shape[0]
+    seg_starts = np.clip(np.asarray(seg_starts, np.int32), 0, t)
+    lens = np.maximum(seg_starts[1:] - seg_starts[:-1], 0)
+    nblk = np.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
+    ends = np.cumsum(nblk)
+    nb = max(1, (t + sa * (block_t - 1)) // block_t)
+    b = np.arange(nb, dtype=np.int64)
+    slot = np.minimum(np.searchsorted(ends, b, side="right"), sa - 1)
+    start = seg_starts[slot] + (b - (ends[slot] - nblk[slot])) * block_t
+    sched = np.stack([slot, start, seg_starts[slot + 1]]).astype(np.int32)
+    return sched, ends[-1:].astype(np.int32)
+
+
+def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int,
+                 schedule=None):
     """The launch schedule shared by every shrink and expand (Pallas and Triton): ranks clamped to
-    max_rank, the block schedule and its live total, the block bound NB and the program count."""
+    max_rank, the block schedule and its live total (`schedule`, from block_schedule, if given),
+    the block bound NB and the program count."""
     ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
-    sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    if schedule is None:
+        sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+    else:
+        sched, total = schedule
+        nb = max(1, (t + ranks.shape[0] * (block_t - 1)) // block_t)
+        if sched.shape != (3, nb) or total.shape != (1,):
+            raise ValueError(f"schedule shapes {sched.shape}, {total.shape} are not block_schedule's "
+                             f"for {t} tokens, {ranks.shape[0]} slots, block_t {block_t}: (3, {nb}), (1,)")
+        sched, total = sched.astype(jnp.int32), total.astype(jnp.int32)
     return ranks, sched, total, nb, min(nb, max_programs)
 
 
@@ -195,12 +224,13 @@ def _check_block_t(block_t: int):
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "in_features", "interpret", "block_t",
                                              "max_programs"))
-def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, interpret, block_t,
+def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_features, interpret, block_t,
             max_programs):
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
-    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
+                                                       schedule)
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
@@ -218,12 +248,13 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, interp
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "interpret", "block_t",
                                              "max_programs"))
-def _expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank, out_features, interpret, block_t,
+def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_features, interpret, block_t,
             max_programs):
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
-    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
+                                                       schedule)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype)
@@ -247,12 +278,13 @@ def _interpret(interpret):
 
 
 def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """xa [T, max_rank] float32: xa[t, :r_s] = x[t] @ A_s for the tokens of slot s, 0 elsewhere.
 
     x [T, in]; rows [N, W] (one layer's pool as rows); a_rows [Sa, RA] int32, RA =
     ceil(max_rank*in/W): row indices of A^T_s [r_s, in] flattened; ranks [Sa] (0: the slot has no A
     for this module); seg_starts [Sa+1]. Unused entries of a_rows may point at any row.
+    schedule: block_schedule(ranks, seg_starts, T, block_t), built on the host; None: in the graph.
     """
     assert x.shape[1] == in_features, (x.shape, in_features)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
@@ -260,12 +292,12 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
         return lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
                                      in_features=in_features)
     _check_block_t(block_t)
-    return _shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=in_features,
+    return _shrink(x, rows, a_rows, ranks, seg_starts, schedule, max_rank=max_rank, in_features=in_features,
                    interpret=_interpret(interpret), block_t=block_t, max_programs=max_programs)
 
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """y + xa[:, :r_s] @ B_s for the tokens of slot s (base tokens unchanged), in y's dtype.
 
     y [T, out]; xa [T, max_rank] float32 (from lora_shrink); b_rows [Sa, RB] int32 row indices of
@@ -277,7 +309,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
         return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
                                      out_features=out_features)
     _check_block_t(block_t)
-    return _expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+    return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
                    max_programs=max_programs)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from pallas_kernels.lora import block_schedule
 from slora_jax import paged
 from slora_jax.adapter_store import AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -430,10 +431,12 @@ class Engine:
         if lora is not None:
             modules, sa = lora
             arrays = {m: self._empty_lora_arrays(m, sa) for m in modules}
-            lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=np.zeros(sa + 1, np.int32),
-                                    rows={m: (a, b) for m, (a, b, _) in arrays.items()},
-                                    ranks={m: rk for m, (_, _, rk) in arrays.items()},
-                                    max_rank=self.opts.max_lora_rank, backend=self._step_backend(sa, decode))
+            seg_starts, ranks, backend = np.zeros(sa + 1, np.int32), {m: rk for m, (_, _, rk) in arrays.items()}, \
+                self._step_backend(sa, decode)
+            lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=seg_starts,
+                                    rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
+                                    max_rank=self.opts.max_lora_rank, backend=backend,
+                                    schedules=self._schedules(ranks, seg_starts, t, backend))
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
@@ -575,7 +578,23 @@ class Engine:
             ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
             at += ra + rb + 1
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
-                                max_rank=self.opts.max_lora_rank, backend=backend)
+                                max_rank=self.opts.max_lora_rank, backend=backend,
+                                schedules=self._schedules(ranks, seg_starts, t, backend))
+
+    @staticmethod
+    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str) -> dict | None:
+        """The kernels' block schedule of each module, built here on the host (one per distinct
+        set of slots that target the module) instead of by small XLA ops at every kernel call;
+        None for the one-hot path, which has no schedule."""
+        if backend not in ("pallas", "triton"):
+            return None
+        out, seen = {}, {}
+        for module, rk in ranks.items():
+            key = (rk > 0).tobytes()
+            if key not in seen:
+                seen[key] = block_schedule(rk, seg_starts, t)
+            out[module] = seen[key]
+        return out
 
     def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A module's (A rows [sa, RA], B rows [sa, RB], ranks [sa]) with every slot empty (the

@@ -34,6 +34,8 @@ class LoraInputs:
     by slot, so seg_starts [Sa+1] gives slot s the tokens [seg_starts[s], seg_starts[s+1]).
     backend: "xla" (one-hot over slots), "pallas" (pallas_kernels.lora, segment form) or "triton"
     (triton_kernels.lora through jax-triton, the same segment form; GPU only).
+    schedules[module] = the kernels' block schedule (pallas_kernels.lora.block_schedule), built on
+    the host with the step's inputs, or None (the kernels build it in the graph).
     """
     token_slot: jax.Array
     seg_starts: jax.Array
@@ -41,6 +43,7 @@ class LoraInputs:
     ranks: dict
     max_rank: int = flax.struct.field(pytree_node=False)
     backend: str = flax.struct.field(pytree_node=False, default="xla")
+    schedules: dict | None = None
 
 
 @flax.struct.dataclass
@@ -231,8 +234,10 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             else:
                 from triton_kernels.lora import lora_apply as kernel_apply  # needs jax-triton
             pl = pool[layer]
+            schedule = lora.schedules.get(module) if lora.schedules else None
             return kernel_apply(y, x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows, lora.ranks[module],
-                                lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout)
+                                lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout,
+                                schedule=schedule)
         return y + lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
                             lora.max_rank, fin, fout).astype(y.dtype)
     return apply

@@ -261,3 +261,31 @@ class TestTritonLowering:
             warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
             hlo = jax.jit(delta).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 2  # shrink and expand, not the fallback
+
+
+def test_host_block_schedule_matches_the_graph_one():
+    """block_schedule (numpy, built by the engine with a step's inputs) gives the same arrays as
+    the in-graph _block_schedule, on random segments with empty slots and rank-0 slots; and the
+    kernels give the same output with either."""
+    from pallas_kernels.lora import _block_schedule, block_schedule
+    rng = np.random.default_rng(3)
+    for t, sa, block_t in ((64, 8, 16), (37, 5, 16), (256, 32, 32), (16, 1, 16)):
+        for _ in range(5):
+            lens = rng.multinomial(int(rng.integers(0, t + 1)), np.ones(sa) / sa)
+            seg = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            ranks = rng.choice([0, 8, 16, 64], sa).astype(np.int32)
+            got = block_schedule(ranks, seg, t, block_t)
+            sched, total, _ = _block_schedule(jnp.asarray(ranks), jnp.asarray(seg), t, block_t)
+            np.testing.assert_array_equal(got[0], np.asarray(sched))
+            np.testing.assert_array_equal(got[1], np.asarray(total))
+    arr, a_mats, b_mats, seg, ranks = make_inputs(CASES["mixed"], jnp.float32, seed=7)
+    case = CASES["mixed"]
+    kw = dict(max_rank=MAX_RANK, fin=case.fin, fout=case.fout, interpret=True)
+    x, rows, a_rows, b_rows, rk, sg = delta_args(arr)
+    y = jnp.zeros((TOKENS, case.fout), jnp.float32)
+    plain = lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, **kw)
+    hosted = lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, schedule=block_schedule(ranks, seg, TOKENS), **kw)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(hosted))
+    assert rel_err(hosted, dense_delta(x, a_mats, b_mats, seg, ranks, case.fout)) < TOL[jnp.float32]
+    with pytest.raises(ValueError, match="schedule shapes"):
+        lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, schedule=block_schedule(ranks, seg, 64), **kw)

@@ -78,13 +78,14 @@ def _f32_dot() -> str:
 
 
 def shrink_plan(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
-                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """(arrays, constexprs, grid, launch options) for lora_shrink_kernel; the last array is the
     zero xa buffer that the output aliases."""
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
-    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
+                                                       schedule)
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))  # the kernel casts A tiles to x's dtype
     arrays = (total, sched, ranks, a_rows.astype(jnp.int32), x, rows,
               jnp.zeros((t, max_rank), jnp.float32))
@@ -96,13 +97,14 @@ def shrink_plan(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
 
 
 def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """(arrays, constexprs, grid, launch options) for lora_expand_kernel; the last array is y,
     which the output aliases."""
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
-    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
+                                                       schedule)
     arrays = (total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
     const = dict(NB=nb, N_PROGRAMS=n_programs, BLOCK_T=block_t, RANK_TILE=rank_tile,
                  COL_TILE=col_tile, FOUT=out_features, W=width, RB=b_rows.shape[1],
@@ -124,17 +126,19 @@ def _launch(kernel_name: str, plan, name: str):
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "in_features", "block_t", "max_programs"))
-def _shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank, in_features, block_t, max_programs):
+def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_features, block_t, max_programs):
     plan = shrink_plan(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
-                       in_features=in_features, block_t=block_t, max_programs=max_programs)
+                       in_features=in_features, block_t=block_t, max_programs=max_programs,
+                       schedule=schedule)
     return _launch("lora_shrink_kernel", plan, "lora_shrink_triton")
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "block_t", "max_programs"))
-def _expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank, out_features, block_t,
+def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_features, block_t,
             max_programs):
     plan = expand_plan(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
-                       out_features=out_features, block_t=block_t, max_programs=max_programs)
+                       out_features=out_features, block_t=block_t, max_programs=max_programs,
+                       schedule=schedule)
     return _launch("lora_expand_kernel", plan, "lora_expand_triton")
 
 
@@ -150,7 +154,7 @@ def _no_interpret(interpret):
 
 
 def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """xa [T, max_rank] float32: xa[t, :r_s] = x[t] @ A_s for the tokens of slot s, 0 elsewhere.
     Arguments as pallas_kernels.lora.lora_shrink."""
     assert x.shape[1] == in_features, (x.shape, in_features)
@@ -159,12 +163,12 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
         return lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
                                      in_features=in_features)
     _check_block_t(block_t)
-    return _shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=in_features,
+    return _shrink(x, rows, a_rows, ranks, seg_starts, schedule, max_rank=max_rank, in_features=in_features,
                    block_t=block_t, max_programs=max_programs)
 
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS):
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """y + xa[:, :r_s] @ B_s for the tokens of slot s (base tokens unchanged), in y's dtype,
     accumulated in place into (a copy of) y. Arguments as pallas_kernels.lora.lora_expand."""
     assert y.shape[1] == out_features and xa.shape[1] == max_rank, (y.shape, xa.shape, out_features)
@@ -173,7 +177,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
         return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
                                      out_features=out_features)
     _check_block_t(block_t)
-    return _expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+    return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, block_t=block_t, max_programs=max_programs)
 
 
