@@ -28,8 +28,9 @@ case $group in
     # 1-2: capacity: n = 1000 and the base model alone offered 40 req/s, well above what either
     #      serves; completed req/s is the capacity (issue 7's >= 0.9x is 1 / 2). Later rates are
     #      set from 1.
-    # 3-4: the same with decode LoRA through the kernel past 32 distinct adapters ("hybrid") and
-    #      always ("pallas"): at S2's mixed ranks the one-hot path gathers every slot at rank 64.
+    # 3-4: the same with decode LoRA through the one-hot path always ("xla", the default before
+    #      session 4) and the kernel always ("pallas"); the default is "hybrid" (the kernel past 32
+    #      distinct adapters): at S2's mixed ranks the one-hot path gathers every slot at rank 64.
     # 5-6: the paper's point (Table 3: R = 10, S-LoRA 6.69 req/s on an A100-80GB), and the base.
     # 7-8: prefetch on/off at half the capacity: TTFT of cold- vs warm-adapter requests (issue 5).
     # 9-14: four times the capacity, cv 1/4/8, early abort vs FCFS: SLO attainment (issue 5).
@@ -41,7 +42,7 @@ case $group in
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "$cap:--rate 40 ${short[*]}" \
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
-      --variant "S2-unified-n1000-R40-hybrid:--rate 40 ${short[*]} --engine lora_backend=hybrid" \
+      --variant "S2-unified-n1000-R40-xla:--rate 40 ${short[*]} --engine lora_backend=xla" \
       --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
       --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
       --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \

@@ -42,9 +42,14 @@ def default_backends() -> tuple[str, str, str]:
 
     GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
     kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
-    "pallas". For LoRA, the engine's decode step paid less for 32 adapters with the XLA one-hot
-    path than with the Pallas or Triton kernels at batch 1-64 (+1.0-1.7 ms against +3.2-6.1 ms); Triton
-    was ahead only at batch 256 (+5.0 vs +6.2 ms). So decode LoRA stays "xla" until the kernels win.
+    "pallas". For decode LoRA the winner depends on how many distinct adapters a step holds, so it
+    is "hybrid" (one-hot up to lora_hybrid_slots = 32, the kernel above). With up to 32 adapters the
+    engine's decode step paid less with the one-hot path (+1.0-1.7 ms against +3.2-6.1 ms at batch
+    1-64; +3.8 vs +4.5 ms at 256 with 32 rank-32 adapters, session 4). The kernel micro-benchmark
+    (same run, mixed ranks 8-64, one module of each llama-7b shape) puts the crossover there: at 8
+    adapters one-hot is faster in all six cases, at 64 the kernel is, by 1.2-2x (the one-hot path
+    gathers every slot at the max rank and multiplies every token by every slot; the kernel's time
+    hardly grows with adapters). S2's decode steps hold 100-250 distinct adapters.
     Prefill LoRA is "pallas": the one-hot path multiplies every token by every slot's A and B
     (tokens x slots x rank work: 4096 tokens x 32 adapters at rank 64 is ~18 TFLOP a step on
     llama-7b), the segment kernel only by its own adapter's, and its empty slots cost nothing, so
@@ -52,7 +57,7 @@ def default_backends() -> tuple[str, str, str]:
     CPU: "xla" for all (Pallas runs there only in interpret mode, for tests).
     """
     if jax.default_backend() == "gpu":
-        return "xla", "pallas", "pallas"
+        return "hybrid", "pallas", "pallas"
     return "xla", "xla", "xla"
 
 
