@@ -519,7 +519,6 @@ class Engine:
     def _adapter_rows(self, entry: AdapterEntry) -> np.ndarray:
         """Row indices of a resident adapter's pages, computed once per residency (a reload gets
         a new page list, so the cache entry is checked by identity), not every step."""
-        pages = self.pool.adapters[entry.key]
         return self._residency(entry)[1]
 
     def _residency(self, entry: AdapterEntry) -> tuple:
