@@ -4,9 +4,10 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
-# bench/warmup_time.py, the start-up compile cost per layer and whole; neither is in "all")
+# bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
+# settings through bench/kernels.py --lora-blocks; none of these is in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -57,6 +58,20 @@ if has compile; then
     echo "warmup_time per_layer=$pl rc=$?"
     grep -E '"(shapes|warmup_s|compiles_after_warmup)"' "$OUT/warmup_time-per_layer$pl.log"
   done
+fi
+if has sweep; then
+  # LoRA kernel block settings (issue 4's bandwidth target), one kernels.py run each on the
+  # decode shapes, H->H module; one JSON line per setting in sweep.jsonl. SWEEP_BLOCKS: the list.
+  sweep_blocks=${SWEEP_BLOCKS:-'{} {"shrink":{"split_k":4}} {"shrink":{"split_k":16}} {"shrink":{"split_k":4,"num_warps":8}} {"shrink":{"col_tile":512,"split_k":4}} {"expand":{"col_tile":256}}'}
+  : > "$OUT/sweep.jsonl"
+  for cfg in $sweep_blocks; do
+    timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64,256 \
+      --adapters 32,256 --lora-blocks "$cfg" --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
+    echo "sweep $cfg rc=$?"
+    [[ -f /tmp/sweep.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
+      /tmp/sweep.json >> "$OUT/sweep.jsonl" && rm -f /tmp/sweep.json
+  done
+  grep -E "^qkvo" "$OUT/sweep.log" | tail -30
 fi
 if has profile; then
   timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \

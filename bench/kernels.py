@@ -511,7 +511,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: attention,lora")
+    ap.add_argument("--lora-blocks", default=None,
+                    help='JSON merged into pallas_kernels.lora.BLOCKS before any trace, e.g. '
+                         '\'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
     args = ap.parse_args()
+    if args.lora_blocks:
+        for kind, over in json.loads(args.lora_blocks).items():
+            if kind not in lora_kernels.BLOCKS or not set(over) <= set(lora_kernels.BLOCKS[kind]):
+                raise SystemExit(f"--lora-blocks: unknown {kind} or key in {over}; "
+                                 f"BLOCKS = {lora_kernels.BLOCKS}")
+            lora_kernels.BLOCKS[kind] = {**lora_kernels.BLOCKS[kind], **over}
     o = dict(QUICK if args.quick else FULL)
     o["tokens"] = _ints(args.tokens, o["tokens"])
     o["adapters"] = _ints(args.adapters, o["adapters"])
@@ -583,6 +592,8 @@ def main() -> None:
         seed = 1000
         for t in o["tokens"]:
             for n in o["adapters"]:
+                if n > t:  # every adapter needs a token of its own
+                    continue
                 for m in mods:
                     seed += 1
                     if over_budget():

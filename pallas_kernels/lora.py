@@ -51,8 +51,11 @@ from jax.experimental.pallas import triton as plgpu
 
 # Block sizes. Triton wants power-of-two dot operands of at least 16 on every side. Not yet tuned on
 # a GPU: col_tile is a cap (the tile is the largest power of two dividing W, at most the cap).
+# split_k > 1: shrink's `in` columns are cut into split_k ranges, each its own program, whose
+# partial products meet in xa by atomic adds (more programs in flight for a decode step's few
+# tokens per adapter); 1: one program walks all the columns and stores.
 BLOCKS = {
-    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2),
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=1),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
 }
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
@@ -85,8 +88,11 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fin, width, dtype):
+                   n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret):
     p, k = pl.program_id(0), pl.program_id(1)  # k: this program's rank tile
+    q = pl.program_id(2)                       # q: this program's share of the `in` columns
+    n_chunks = fin // col_tile
+    per_split = -(-n_chunks // split_k)
 
     def block(b):
         s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
@@ -108,10 +114,18 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
 
-            acc = jax.lax.fori_loop(0, fin // col_tile, chunk,
+            lo = q * per_split
+            acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_chunks), chunk,
                                     jnp.zeros((block_t, rank_tile), jnp.float32))
-            plgpu.store(xa_ref.at[pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)], acc,
-                        mask=tok_live[:, None] & j_live[None, :])
+            tile = xa_ref.at[pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)]
+            mask = tok_live[:, None] & j_live[None, :]
+            if split_k == 1:
+                plgpu.store(tile, acc, mask=mask)
+            else:  # partial sums over column ranges meet in the zeroed xa (padded to whole
+                # tiles, so no block's tile runs past it); dead entries add zero
+                acc = jnp.where(mask, acc, 0.0)
+                plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)), acc,
+                                 mask=None if interpret else mask)  # interpret mode: no masks
 
     _blocks(p, n_programs, total_ref, block)
 
@@ -231,19 +245,23 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
                                                        schedule)
+    split_k = max(1, min(blocks.get("split_k", 1), in_features // col_tile))
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
-        dtype=jnp.promote_types(x.dtype, rows.dtype))
-    return pl.pallas_call(
+        dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret)
+    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode)
+    shape = (t, max_rank) if split_k == 1 else (t + block_t, pl.cdiv(max_rank, rank_tile) * rank_tile)
+    xa = pl.pallas_call(
         kernel,
-        grid=(n_programs, pl.cdiv(max_rank, rank_tile)),
-        out_shape=jax.ShapeDtypeStruct((t, max_rank), jnp.float32),
+        grid=(n_programs, pl.cdiv(max_rank, rank_tile), split_k),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},  # written only where live: the rest stays zero
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_shrink",
-    )(total, sched, ranks, a_rows.astype(jnp.int32), x, rows, jnp.zeros((t, max_rank), jnp.float32))
+    )(total, sched, ranks, a_rows.astype(jnp.int32), x, rows, jnp.zeros(shape, jnp.float32))
+    return xa if split_k == 1 else xa[:t, :max_rank]
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "interpret", "block_t",

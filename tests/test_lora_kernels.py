@@ -289,3 +289,23 @@ def test_host_block_schedule_matches_the_graph_one():
     assert rel_err(hosted, dense_delta(x, a_mats, b_mats, seg, ranks, case.fout)) < TOL[jnp.float32]
     with pytest.raises(ValueError, match="schedule shapes"):
         lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, schedule=block_schedule(ranks, seg, 64), **kw)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_shrink_split_k_matches_dense(monkeypatch, split_k):
+    """BLOCKS["shrink"]["split_k"] > 1: the `in` columns in split_k ranges (uneven with 3), the
+    partial products added atomically into xa: the same delta as the dense product."""
+    case = dataclasses.replace(CASES["mixed"], fin=128)  # four 32-column chunks
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed=seed_of("split", split_k))
+        got = lora.lora_delta(*delta_args(arr), max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                              interpret=True)
+        assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)) < TOL[jnp.float32]
+        xa = lora.lora_shrink(arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"],
+                              max_rank=MAX_RANK, in_features=case.fin, interpret=True)
+        dead = np.arange(MAX_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+        assert not np.asarray(xa)[dead].any()  # zero past each token's rank, as with one split
+    finally:
+        jax.clear_caches()
