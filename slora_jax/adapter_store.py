@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class AdapterEntry:
     layout: AdapterLayout
     file_id: tuple
 
-    @property
+    @functools.cached_property  # read for every token of every step: built once
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
 

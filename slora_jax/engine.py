@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import time
 from typing import Callable
@@ -494,11 +495,15 @@ class Engine:
     # -- step inputs -------------------------------------------------------------------------
 
     def _page_table(self, reqs: list[Request], s: int, floor: int = 1) -> np.ndarray:
-        p = _pow2(max(floor, *(len(self.pool.kv[r.rid]) for r in reqs)))
+        lists = [self.pool.kv[r.rid] for r in reqs]
+        lens = np.array([len(pages) for pages in lists], np.int64)
+        p = _pow2(max(floor, int(lens.max(initial=0))))
         table = np.full((s, p), NULL_PAGE, np.int32)
-        for i, r in enumerate(reqs):
-            pages = self.pool.kv[r.rid]
-            table[i, :len(pages)] = pages
+        if len(lists):  # one scatter of every page, not one row copy per sequence
+            flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
+            rows = np.repeat(np.arange(len(lists)), lens)
+            cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+            table[rows, cols] = flat
         return table
 
     def _sampling_arrays(self, reqs: list[Request], s: int) -> dict:
@@ -559,10 +564,8 @@ class Engine:
         backend = self._step_backend(sa, decode)
         assert len(entries) <= sa, (len(entries), sa)
         slot = {e.key: i for i, e in enumerate(entries)}
-        token_slot = np.full(t, -1, np.int32)
-        for i, r in enumerate(token_reqs):
-            if r is not None and r.adapter is not None:
-                token_slot[i] = slot[r.adapter.key]
+        token_slot = np.array([slot[r.adapter.key] if r is not None and r.adapter is not None else -1
+                               for r in token_reqs], np.int32)
         # Tokens are grouped by slot (see _group_by_adapter): slot s owns [seg[s], seg[s+1]).
         live = token_slot[token_slot >= 0]
         if np.any(np.diff(live) < 0) or (len(live) and token_slot[:len(live)].min() < 0):
@@ -664,12 +667,11 @@ class Engine:
         positions = np.zeros(s, np.int32)
         kv_slot = np.zeros(s, np.int32)
         ctx_lens = np.zeros(s, np.int32)
-        ps, kv = self.ps, self.pool.kv
-        for i, req in enumerate(batch):
-            pos = req.num_computed
-            tokens[i] = req.tokens[pos]
-            positions[i] = ctx_lens[i] = pos
-            kv_slot[i] = kv[req.rid][pos // ps] * ps + pos % ps
+        ps, kv, n = self.ps, self.pool.kv, len(batch)
+        pos = [req.num_computed for req in batch]
+        tokens[:n] = [req.tokens[p] for req, p in zip(batch, pos)]
+        positions[:n] = ctx_lens[:n] = pos
+        kv_slot[:n] = [kv[req.rid][p // ps] * ps + p % ps for req, p in zip(batch, pos)]
         table = self._page_table(batch, s, self._decode_pages)
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot,
                                token_seq=np.arange(s, dtype=np.int32), page_table=table,
