@@ -305,8 +305,29 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
         # the engine's step phases over the run (Engine.host_seconds): host work vs device wait
         "step_seconds": {k: after["host_seconds"][k] - before["host_seconds"].get(k, 0.0)
                          for k in after.get("host_seconds", {})},
+        "steps_by_kind": _steps_by_kind(before, after),
     }
     return recs, pool
+
+
+def _steps_by_kind(before: dict, after: dict) -> dict:
+    """From two Engine.stats() snapshots: prefill and decode steps (timed ones: a first run of a
+    shape is not timed), their mean seconds, and the mean sequences and distinct adapters a step,
+    plus prefetch hits and misses: what a run's throughput is made of."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in (
+        "prefill_step_seconds_count", "prefill_step_seconds_sum", "decode_step_seconds_count",
+        "decode_step_seconds_sum", "batch_size_count", "batch_size_sum", "batch_adapters_count",
+        "batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps")}
+
+    def mean(total, n):
+        return d[total] / d[n] if d[n] else None
+    return {"prefill_steps": d["prefill_step_seconds_count"], "decode_steps": d["decode_step_seconds_count"],
+            "prefill_step_s_mean": mean("prefill_step_seconds_sum", "prefill_step_seconds_count"),
+            "decode_step_s_mean": mean("decode_step_seconds_sum", "decode_step_seconds_count"),
+            "seqs_per_step_mean": mean("batch_size_sum", "batch_size_count"),
+            "adapters_per_step_mean": mean("batch_adapters_sum", "batch_adapters_count"),
+            "prefetch_hits": d["prefetch_hits"], "prefetch_misses": d["prefetch_misses"],
+            "mixed_steps": d["mixed_steps"]}
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -392,6 +413,18 @@ def table(result: dict) -> str:
                   f"{p['adapter_pool_share_mean']:.3f} / {p['adapter_pool_share_max']:.3f}"),
                  ("steps / evictions / preempted", f"{p['steps']} / {p['evictions']} / {p['preempted']}"),
                  ("compiles during run (s)", f"{p['compiles']} ({p['compile_s']:.1f})")]
+        k = p.get("steps_by_kind")
+        if k:
+            ms = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
+            num = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+            rows += [("prefill / decode steps (ms each)", f"{k['prefill_steps']} ({ms(k['prefill_step_s_mean'])}) / "
+                                                          f"{k['decode_steps']} ({ms(k['decode_step_s_mean'])})"),
+                     ("sequences / adapters a step", f"{num(k['seqs_per_step_mean'])} / {num(k['adapters_per_step_mean'])}")]
+        ph = p.get("step_seconds")
+        if ph and p.get("steps"):
+            host = sum(v for n, v in ph.items() if n not in ("device_wait", "prefetch"))
+            rows.append(("host / device-wait ms a step", f"{host * 1e3 / p['steps']:.1f} / "
+                                                          f"{ph.get('device_wait', 0.0) * 1e3 / p['steps']:.1f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([head, *(f"  {k:<{width}}  {_fmt(v)}" for k, v in rows)])
 
