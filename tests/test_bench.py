@@ -173,6 +173,11 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert m["ttft_p50_s"] <= m["ttft_p99_s"]
     assert 1 <= p["resident_adapters_max"] <= w.n
     assert 0.0 < p["adapter_pool_share_max"] <= 1.0
+    k, ph = p["steps_by_kind"], p["step_seconds"]  # what the run's time was made of
+    assert k["prefill_steps"] + k["decode_steps"] <= p["steps"] and k["decode_steps"] > 0
+    assert 1.0 <= k["seqs_per_step_mean"] and 0.0 < k["adapters_per_step_mean"] <= k["seqs_per_step_mean"]
+    assert ph["device_wait"] > 0 and ph["inputs"] > 0 and all(v >= 0 for v in ph.values())
+    assert sum(ph.values()) <= p["wall_s"]
     for r in result["requests"]:
         if r["finish_reason"] == "length":  # ignore_eos: every request runs to its length
             assert r["tokens"] == r["output_len"]
