@@ -252,6 +252,7 @@ class Scheduler:
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
         finished = []
+        results = results.tolist() if hasattr(results, "tolist") else results  # Python floats, once
         for i, (req, start, end) in enumerate(plan.chunks):
             if req.out.finished:  # aborted during the step
                 continue
