@@ -10,7 +10,8 @@ Endpoints (vLLM's names and shapes where vLLM has them):
     POST /v1/unload_lora_adapter  {"lora_name"}; refused (400) while the adapter has requests
     GET  /health                  200 while the engine thread is alive, else 503
     GET  /metrics                 Prometheus text: engine gauges (every field of Engine.stats()),
-                                  requests and tokens per adapter, TTFT / latency / step histograms
+                                  requests and tokens per adapter, TTFT / latency / step histograms,
+                                  seconds of steps by phase (slora_engine_step_phase_seconds)
     GET  /stats                   Engine.stats() as JSON, read on the engine thread
 
 `model` in a request is the base model's name (--served-model-name, default the --model argument) or
