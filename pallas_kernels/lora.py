@@ -114,9 +114,12 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
 
-            lo = q * per_split
-            acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_chunks), chunk,
-                                    jnp.zeros((block_t, rank_tile), jnp.float32))
+            if split_k == 1:  # static bounds: the loop the kernel had before split_k
+                lo, hi = 0, n_chunks
+            else:
+                lo = q * per_split
+                hi = jnp.minimum(lo + per_split, n_chunks)
+            acc = jax.lax.fori_loop(lo, hi, chunk, jnp.zeros((block_t, rank_tile), jnp.float32))
             tile = xa_ref.at[pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)]
             mask = tok_live[:, None] & j_live[None, :]
             if split_k == 1:

@@ -178,7 +178,7 @@ class Engine:
         self.host_seconds = dict.fromkeys(
             ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device_wait", "complete"), 0.0)
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
-        self._rows: dict = {}       # adapter key -> (its page list, row indices of those pages)
+        self._rows: dict = {}       # adapter key -> its residency (see _residency)
         self._decode_pages = self.decode_page_floor()
         self._modules_key, self._union = None, set()  # the registered adapters' modules (cached)
 
@@ -521,14 +521,10 @@ class Engine:
         pages = np.asarray(self.pool.kv[req.rid], np.int32)
         return pages[positions // self.ps] * self.ps + positions % self.ps
 
-    def _adapter_rows(self, entry: AdapterEntry) -> np.ndarray:
-        """Row indices of a resident adapter's pages, computed once per residency (a reload gets
-        a new page list, so the cache entry is checked by identity), not every step."""
-        return self._residency(entry)[1]
-
     def _residency(self, entry: AdapterEntry) -> tuple:
-        """(page list, row indices, {module set: slot record}) of a resident adapter, rebuilt
-        when it is reloaded (a new page list, checked by identity)."""
+        """(page list, row indices of its pages, {module set: slot record}) of a resident adapter,
+        computed once per residency, not every step: a reload gets a new page list, so the entry
+        is checked by identity."""
         pages = self.pool.adapters[entry.key]
         hit = self._rows.get(entry.key)
         if hit is None or hit[0] is not pages:
