@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import sys
@@ -30,6 +31,8 @@ def main() -> dict:
     ap.add_argument("--requests", type=int, default=1500, help="queued at once (an overloaded server)")
     ap.add_argument("--steps", type=int, default=60, help="measured steps, after the warm-up ones")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=None, help="override the tiny model's num_hidden_layers")
+    ap.add_argument("--per-layer", action="store_true", help="EngineOptions.compile_per_layer")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -41,11 +44,13 @@ def main() -> dict:
     from slora_jax.config import load_model_config
 
     cfg = load_model_config("tiny")
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
     ranks = [int(r) for r in args.ranks.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="slora-host-"))
     files = [random_peft_adapter(tmp / f"r{r}", cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                                  seed=r) for r in ranks]
-    llm = LLM("tiny", dtype="float32", page_size=16, pool_pages=20000, max_num_seqs=args.max_num_seqs,
+    llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, page_size=16, pool_pages=20000, max_num_seqs=args.max_num_seqs,
               max_prefill_tokens=4096, max_prefill_seqs=32, max_adapters_per_batch=args.max_num_seqs,
               max_lora_rank=max(ranks), min_decode_batch=16)
     names = [f"lora-{i}" for i in range(args.adapters)]
@@ -73,7 +78,8 @@ def main() -> dict:
     wall = time.perf_counter() - t
     phases = {k: (eng.host_seconds[k] - before[k]) * 1e3 / args.steps for k in before}
     result = {"commit": git_commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "adapters": args.adapters, "ranks": ranks, "running": len(eng.running),
+              "adapters": args.adapters, "ranks": ranks, "layers": cfg.num_hidden_layers,
+              "compile_per_layer": args.per_layer, "running": len(eng.running),
               "waiting": len(eng.waiting), "steps": args.steps, "ms_per_step": wall * 1e3 / args.steps,
               "phase_ms_per_step": phases}
     print(json.dumps(result, indent=1))
