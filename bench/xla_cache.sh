@@ -1,7 +1,9 @@
 # Sourced by the GPU scripts: JAX's persistent compilation cache in the checkout (.xla-cache/,
-# git-ignored), restored from .xla-cache.tgz when a call carries it and packed into
-# $OUT/xla-cache.tgz at the end, so the next call skips the compiles even on a fresh machine:
-#   run(..., carry=[".xla-cache.tgz"])   after copying the last call's $OUT/xla-cache.tgz here.
+# git-ignored), restored from .xla-cache.tgz when a call carries it and packed into $OUT at the
+# end, so the next call skips the compiles even on a fresh machine:
+#   cat <files_at>/xla-cache.tgz* > .xla-cache.tgz; run(..., carry=[".xla-cache.tgz"])
+# $OUT brings back files of at most 16 MiB: a larger archive comes back in 15 MiB parts
+# (xla-cache.tgz.part00, .part01, ...), which `cat` joins. Carry at most 64 MiB in all.
 # Entries are keyed by the HLO, the device and the jax/XLA versions: a stale one is never used.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.xla-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
@@ -12,6 +14,14 @@ if [[ -f .xla-cache.tgz ]]; then
 fi
 xla_cache_save() {
   [[ -n ${OUT:-} ]] || return 0
-  tar czf "$OUT/xla-cache.tgz" -C "$JAX_COMPILATION_CACHE_DIR" . && \
-    echo "xla cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries, $(du -h "$OUT/xla-cache.tgz" | cut -f1) packed"
+  local tgz=/tmp/xla-cache.tgz
+  tar czf "$tgz" -C "$JAX_COMPILATION_CACHE_DIR" . || return 0
+  rm -f "$OUT"/xla-cache.tgz*
+  if (( $(stat -c %s "$tgz") <= 15 * 1024 * 1024 )); then
+    cp "$tgz" "$OUT/xla-cache.tgz"
+  else
+    split -b 15M -d -a 2 "$tgz" "$OUT/xla-cache.tgz.part"
+  fi
+  echo "xla cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries, $(du -h "$tgz" | cut -f1) packed" \
+       "in $(ls "$OUT"/xla-cache.tgz* | wc -l) file(s)"
 }
