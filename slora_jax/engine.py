@@ -437,8 +437,9 @@ class Engine:
         if lora is not None:
             modules, sa = lora
             arrays = {m: self._empty_lora_arrays(m, sa) for m in modules}
-            seg_starts, ranks, backend = np.zeros(sa + 1, np.int32), {m: rk for m, (_, _, rk) in arrays.items()}, \
-                self._step_backend(sa, decode)
+            seg_starts = np.zeros(sa + 1, np.int32)
+            ranks = {m: rk for m, (_, _, rk) in arrays.items()}
+            backend = self._step_backend(sa, decode)
             lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=seg_starts,
                                     rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
                                     max_rank=self.opts.max_lora_rank, backend=backend,
@@ -574,8 +575,7 @@ class Engine:
         table[:len(entries)] = stacked
         rows, ranks, at = {}, {}, 0
         for module in modules:
-            a, b, _ = self._empty_lora_arrays(module, 0)
-            ra, rb = a.shape[1], b.shape[1]
+            ra, rb = self._lora_row_counts(module)
             rows[module] = (np.ascontiguousarray(table[:, at:at + ra]),
                             np.ascontiguousarray(table[:, at + ra:at + ra + rb]))
             ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
@@ -602,10 +602,14 @@ class Engine:
     def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A module's (A rows [sa, RA], B rows [sa, RB], ranks [sa]) with every slot empty (the
         null page, rank 0), at max_lora_rank: what a step fills in for its adapters."""
+        ra, rb = self._lora_row_counts(module)
+        return np.zeros((sa, ra), np.int32), np.zeros((sa, rb), np.int32), np.zeros(sa, np.int32)
+
+    def _lora_row_counts(self, module: str) -> tuple[int, int]:
+        """Pool rows of a module's A^T and of its B at max_lora_rank (a slot's row-index widths)."""
         rank, width = self.opts.max_lora_rank, self.cfg.kv_size
         fin, fout = self.cfg.module_shape(module)
-        return (np.zeros((sa, paged.rows_needed(rank, fin, width)), np.int32),
-                np.zeros((sa, paged.rows_needed(rank, fout, width)), np.int32), np.zeros(sa, np.int32))
+        return paged.rows_needed(rank, fin, width), paged.rows_needed(rank, fout, width)
 
     def _prefill_inputs(self, chunks):
         total = sum(end - start for _, start, end in chunks)
