@@ -53,9 +53,13 @@ from jax.experimental.pallas import triton as plgpu
 # a GPU: col_tile is a cap (the tile is the largest power of two dividing W, at most the cap).
 # split_k > 1: shrink's `in` columns are cut into split_k ranges, each its own program, whose
 # partial products meet in xa by atomic adds (more programs in flight for a decode step's few
-# tokens per adapter); 1: one program walks all the columns and stores.
+# tokens per adapter); 1: one program walks all the columns and stores. It applies to calls of at
+# most split_k_max_tokens tokens (decode steps); longer ones have programs enough and keep 1.
+# split_k=4 from the H200 sweep (bench/results/20261129-46a45b4/sweep.jsonl, qkvo, decode):
+# 64 tokens x 32 adapters 55.0 -> 43.6 us, 256 x 32 54.0 -> 31.7, 256 x 256 127.2 -> 122.9
+# (split_k=16 was slower than 4 in all three). Prefill-sized calls were not timed with it.
 BLOCKS = {
-    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=1),
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
 }
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
@@ -248,7 +252,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
                                                        schedule)
-    split_k = max(1, min(blocks.get("split_k", 1), in_features // col_tile))
+    split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
+    split_k = max(1, min(split_k, in_features // col_tile))
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,

@@ -291,10 +291,11 @@ def test_host_block_schedule_matches_the_graph_one():
         lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, schedule=block_schedule(ranks, seg, 64), **kw)
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_shrink_split_k_matches_dense(monkeypatch, split_k):
-    """BLOCKS["shrink"]["split_k"] > 1: the `in` columns in split_k ranges (uneven with 3), the
-    partial products added atomically into xa: the same delta as the dense product."""
+    """BLOCKS["shrink"]["split_k"]: 1, one program walks the `in` columns and stores; > 1 (the
+    default for decode-sized calls), the columns in split_k ranges (uneven with 3) whose partial
+    products are added atomically into xa. Either way the same delta as the dense product."""
     case = dataclasses.replace(CASES["mixed"], fin=128)  # four 32-column chunks
     monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k})
     jax.clear_caches()  # BLOCKS is read at trace time
