@@ -424,11 +424,13 @@ def table(result: dict) -> str:
         ph = p.get("step_seconds")
         if ph and p.get("steps"):
             # "dispatch" is the jitted calls' own time, which on a GPU may include waiting for the
-            # device (a limit on computations in flight); before/after are pure host work.
+            # device (a limit on computations in flight); "wait" holds the prefetch, which runs
+            # while the device computes; before (schedule, loads, inputs) and after (completion)
+            # are host work while the device idles.
             each = lambda *names: f"{sum(ph.get(n, 0.0) for n in names) * 1e3 / p['steps']:.1f}"  # noqa: E731
             rows.append(("before / dispatch / wait / after ms a step",
                          f"{each('schedule', 'adapter_loads', 'inputs')} / {each('dispatch')} / "
-                         f"{each('device_wait')} / {each('prefetch', 'complete')}"))
+                         f"{each('prefetch', 'device_wait')} / {each('complete')}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([head, *(f"  {k:<{width}}  {_fmt(v)}" for k, v in rows)])
 
