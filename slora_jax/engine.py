@@ -29,7 +29,7 @@ from slora_jax.metrics import EngineMetrics
 from slora_jax.pool import NULL_PAGE, RegionPool, UnifiedPool
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
-from slora_jax.scheduler import Plan, Request, Scheduler, SchedulerOptions, StepCostModel
+from slora_jax.scheduler import PENDING, Plan, Request, Scheduler, SchedulerOptions, StepCostModel
 
 __all__ = ["Engine", "EngineOptions", "Request"]
 
@@ -81,6 +81,11 @@ class EngineOptions(SchedulerOptions):
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
+    # Dispatch each step before waiting for the one before it: scheduling and input building
+    # then run while the device computes. Tokens the host has not seen yet are read from the
+    # previous step's results on the device; a request that stops on a stop token may sit in one
+    # more step, whose token for it is dropped. Off until the GPU benchmark shows it helps.
+    overlap_steps: bool = False
     host_cache_size: int = 256
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
@@ -154,6 +159,16 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """An overlapped step on the device: its plan, its results (a device array) and when it was
+    dispatched."""
+    plan: object
+    results: jax.Array
+    dispatched: float
+    first_run: bool
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, opts: EngineOptions,
                  max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
@@ -181,6 +196,14 @@ class Engine:
         self._rows: dict = {}       # adapter key -> its residency (see _residency)
         self._decode_pages = self.decode_page_floor()
         self._modules_key, self._union = None, set()  # the registered adapters' modules (cached)
+        # Overlapped steps: the dispatched step not yet completed, where its sampled tokens are
+        # (id(request) -> results row) and its results on the device; results have these rows.
+        self._in_flight: _InFlight | None = None
+        self._feed_rows: dict[int, int] = {}
+        self._result_rows = _pow2(max(opts.max_num_seqs + opts.max_prefill_seqs, opts.min_decode_batch))
+        self._prev_results = jax.device_put(np.zeros((self._result_rows, 2), np.float32), self.kv[0].sharding) \
+            if opts.overlap_steps else None
+        self._last_done = 0.0
 
     def decode_page_floor(self) -> int:
         """The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
@@ -295,7 +318,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one prefill or decode step; returns the requests that finished in it (aborted
-        ones included)."""
+        ones included). With overlap_steps: dispatch the next step, then complete the one before
+        it; returns the requests that finished in that one."""
+        if self.opts.overlap_steps:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         plan = self.sched.schedule()
         t1 = time.perf_counter()
@@ -335,6 +361,68 @@ class Engine:
         h["device_wait"] += t_done - t_wait
         h["complete"] += time.perf_counter() - t_done
         return finished
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.sched.schedule()
+        t1 = time.perf_counter()
+        self._write_adapters(plan.loads)
+        t2 = t = t_pre = t_wait = time.perf_counter()
+        launched = None
+        if plan.chunks:
+            _group_by_adapter(plan.chunks)
+            inp, _ = self._inputs(plan)
+            inp = self._fed(inp, plan)
+            shape = (plan.kind, jax.tree_util.tree_structure(inp),
+                     tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
+            first_run = shape not in self._shapes
+            self._shapes.add(shape)
+            t = time.perf_counter()
+            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg,
+                                          per_layer=self.opts.compile_per_layer)
+            t_pre = time.perf_counter()
+            self._write_adapters(self.sched.prefetch(plan), speculative=True)
+            self.sched.advance(plan)
+            t_wait = time.perf_counter()
+            launched = _InFlight(plan, results, t, first_run)
+            self.step_count += 1
+        finished = list(plan.finished)
+        prev, self._in_flight = self._in_flight, launched
+        t_done = t_wait
+        if prev is not None:
+            results = np.asarray(prev.results)
+            t_done = time.perf_counter()
+            # The device ran prev from its dispatch or the end of the step before, the later.
+            seconds = t_done - max(prev.dispatched, self._last_done)
+            self._last_done = t_done
+            finished += self.sched.complete_overlapped(prev.plan, results, None if prev.first_run else seconds)
+        elif not plan.chunks:
+            self.sched.refresh_gauges()
+        if launched is not None:
+            self._feed_rows = {id(req): row for row, req, _ in launched.plan.pending}
+            self._prev_results = launched.results
+        else:
+            self._feed_rows = {}
+        h = self.host_seconds
+        h["schedule"] += t1 - t0
+        h["adapter_loads"] += t2 - t1
+        h["inputs"] += t - t2
+        h["dispatch"] += t_pre - t
+        h["prefetch"] += t_wait - t_pre
+        h["device_wait"] += t_done - t_wait
+        h["complete"] += time.perf_counter() - t_done
+        return finished
+
+    def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:
+        """Overlapped steps: the tokens still on the device (PENDING on the host) are read from
+        the in-flight step's results: token_src gives each one's results row."""
+        tokens = inp.tokens
+        src = np.full(tokens.shape, -1, np.int32)
+        for t in np.flatnonzero(tokens == PENDING):
+            req = plan.chunks[int(inp.token_seq[t])][0]
+            src[t] = self._feed_rows[id(req)]
+        tokens = np.where(src >= 0, 0, tokens).astype(np.int32)
+        return inp.replace(tokens=tokens, token_src=src, prev_results=self._prev_results)
 
     def warmup_shapes(self, max_context: int | None = None, lora: bool = True) -> list[paged.StepInputs]:
         """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
@@ -444,7 +532,9 @@ class Engine:
                                     rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
                                     max_rank=self.opts.max_lora_rank, backend=backend,
                                     schedules=self._schedules(ranks, seg_starts, t, backend))
-        return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros,
+        fed = dict(token_src=np.full(t, -1, np.int32), prev_results=self._prev_results) \
+            if self.opts.overlap_steps else {}
+        return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros, **fed,
                                 token_seq=np.arange(s, dtype=np.int32) if decode else zeros,
                                 page_table=np.full((s, p), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
                                 sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),

@@ -73,6 +73,12 @@ class StepInputs:
     # Packed prefill with context: the rows of page_table and ctx_lens are only the sequences that
     # have context, ctx_seq [C] their sequence rows (-1: padding). None: row i is sequence i.
     ctx_seq: jax.Array | None = None
+    # Overlapped steps (EngineOptions.overlap_steps): the step is dispatched before the previous
+    # one's tokens reach the host. token_src [T]: row of prev_results whose token is token t's
+    # (-1: tokens[t] holds it); prev_results [R, 2]: the previous step's results, padded to R rows,
+    # still on the device. The step's own results then come padded to R rows too.
+    token_src: jax.Array | None = None
+    prev_results: jax.Array | None = None
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
@@ -246,9 +252,24 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
 # ---------------------------------------------------------------------------------------------
 
 
+def _tokens(inp: StepInputs):
+    """The step's input tokens: the host's, and those fed from the previous step's results."""
+    if inp.token_src is None:
+        return inp.tokens
+    fed = inp.prev_results[jnp.maximum(inp.token_src, 0), 0].astype(jnp.int32)
+    return jnp.where(inp.token_src >= 0, fed, inp.tokens)
+
+
+def _pad_results(results, inp: StepInputs):
+    """Overlapped steps: results padded to prev_results' rows, so the next step can read them."""
+    if inp.prev_results is None:
+        return results
+    return jnp.zeros(inp.prev_results.shape, results.dtype).at[:results.shape[0]].set(results)
+
+
 def _forward(params, pool, inp: StepInputs, cfg: ModelConfig):
     lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
-    h, (_, new_kv) = model.forward(params, cfg, inp.tokens, inp.positions, paged_attend(inp),
+    h, (_, new_kv) = model.forward(params, cfg, _tokens(inp), inp.positions, paged_attend(inp),
                                    (pool, ()), lora)
     return h, new_kv
 
@@ -265,7 +286,7 @@ def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
 def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """Everything that reads the pool: the forward pass and the sampler."""
     h, new_kv = _forward(params, pool, inp, cfg)
-    return new_kv, _sample_rows(params, cfg, h[inp.sample_idx], inp)
+    return new_kv, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
 
 
 # The same forward pass as one small jit per layer kind instead of one jit over the unrolled
@@ -275,7 +296,7 @@ def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def embed_step(embed_tokens, inp: StepInputs, *, cfg: ModelConfig):
     cos, sin = model.rope_cos_sin(cfg, inp.positions)
-    return embed_tokens[inp.tokens], cos, sin
+    return embed_tokens[_tokens(inp)], cos, sin
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -290,7 +311,7 @@ def layer_step(layer_params, pool_layer, x, cos, sin, inp: StepInputs, *, cfg: M
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def head_step(head, x, inp: StepInputs, *, cfg: ModelConfig):
     h = model.rms_norm(x[inp.sample_idx], head["norm"], cfg.rms_norm_eps)  # row-wise: rows first
-    return _sample_rows(head, cfg, h, inp)
+    return _pad_results(_sample_rows(head, cfg, h, inp), inp)
 
 
 def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig):

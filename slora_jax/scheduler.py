@@ -10,6 +10,11 @@ The engine drives one `Scheduler` per step, and so can a mock step with a simula
     wait for the results
     finished = sched.complete(plan, results, seconds)
 
+With overlapped steps (EngineOptions.overlap_steps) the engine calls `advance(plan)` right after
+dispatching, which applies what the step surely does (its K/V, a PENDING token per sampling
+chunk), then schedules and dispatches the next step before it waits for this one. Its
+`complete_overlapped` then puts the real tokens in and finishes requests one step late.
+
 Policies (`SchedulerOptions`):
 - Admission under the pool budget. A request is admitted when the KV pages of its first prefill
   chunk, its adapter's pages (nothing if the adapter is resident and held: each distinct adapter
@@ -68,6 +73,7 @@ from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
 
 ORDERS = ("fcfs", "affinity")
+PENDING = -1  # overlapped steps: a token sampled by a step whose results are still on the device
 LOOKAHEAD = 512  # waiting requests an admission walk considers, in service order
 
 
@@ -135,6 +141,8 @@ class Plan:
     chunks: list[tuple[Request, int, int]]
     loads: list[tuple[object, list[int]]]       # (adapter entry, pages) to fill before the step
     finished: list[RequestOutput]               # aborted while scheduling
+    # Overlapped steps (`advance`): (results row, request, token index) of each PENDING token.
+    pending: list[tuple[int, "Request", int]] = dataclasses.field(default_factory=list)
 
     @property
     def requests(self) -> list[Request]:
@@ -223,7 +231,8 @@ class Scheduler:
         self.steps += 1
         self._expire_pins()
         finished = self._early_abort()
-        ready = [r for r in self.running if r.num_computed == len(r.tokens) - 1] if self.opts.mixed_steps else []
+        ready = [r for r in self.running if r.num_computed == len(r.tokens) - 1 and not self._done(r)] \
+            if self.opts.mixed_steps else []
         chunks = self._schedule_prefill(finished, reserve=len(ready))
         kind = "prefill"
         if chunks and ready:  # mixed step: the ready requests decode in it too
@@ -238,36 +247,87 @@ class Scheduler:
             chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
         if not chunks:
             kind = "idle"
-            finished += self._unstick()
+            if not any(r.tokens[-1] == PENDING for r in self.running):  # else a completion frees pages
+                finished += self._unstick()
         return Plan(kind, chunks, self.pop_loads(), finished)
+
+    @staticmethod
+    def _done(req: Request) -> bool:
+        """Its last token is sampled (overlapped steps: still in flight, so it is not finished yet)."""
+        return req.generated >= req.params.max_tokens
+
+    def advance(self, plan: Plan) -> None:
+        """Overlapped steps: apply, as the step is dispatched, what it surely does. Every chunk's
+        K/V is then in the pool, and a chunk that ends its request's known tokens samples one: a
+        PENDING placeholder, which the next step reads from this step's results on the device.
+        `complete_overlapped` puts the real tokens in and finishes requests afterwards."""
+        for i, (req, start, end) in enumerate(plan.chunks):
+            if req.out.finished:
+                continue
+            req.num_computed = end
+            if end == len(req.tokens):
+                plan.pending.append((i, req, len(req.tokens)))
+                req.tokens.append(PENDING)
+
+    def complete_overlapped(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
+        """`complete` for a step that went through `advance`: its PENDING tokens become the
+        sampled ones. A request that stops here may already sit in the next step (dispatched):
+        that step's token for it is dropped. One preempted meanwhile keeps its token."""
+        finished = self._observe(plan, seconds)
+        results = results.tolist() if hasattr(results, "tolist") else results
+        now = self.clock()
+        for i, req, idx in plan.pending:
+            if req.out.finished:  # aborted, or stopped by the step before
+                continue
+            token = int(results[i][0])
+            req.tokens[idx] = token
+            self._first_token(req, now)
+            self._emit(req, token, float(results[i][1]))
+            if token in req.stops or idx + 1 - req.prompt_len >= req.params.max_tokens:
+                if req.resumed and req not in self.running:
+                    self.waiting.remove(req)  # preempted while this step ran
+                self._finish(req, "stop" if token in req.stops else "length")
+            if req.out.finished:
+                finished.append(req.out)
+        self.refresh_gauges()
+        return finished
 
     def complete(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
         """Bookkeeping after the step: results[i] = (token, logprob) of chunk i (used where the
         chunk ends its request's known tokens); `seconds` feeds the cost model (None: skip)."""
-        m, now = self.metrics, self.clock()
-        tokens = sum(end - start for _, start, end in plan.chunks)
-        if seconds is not None:
-            self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
-            (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
-        m.batch_size.observe(len(plan.chunks))
-        m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
-        finished = []
+        finished = self._observe(plan, seconds)
+        now = self.clock()
         results = results.tolist() if hasattr(results, "tolist") else results  # Python floats, once
         for i, (req, start, end) in enumerate(plan.chunks):
             if req.out.finished:  # aborted during the step
                 continue
             req.num_computed = end
             if end == len(req.tokens):
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                    m.ttft_seconds.observe(now - req.arrival)
-                    if req.deadline is not None:
-                        (m.ttft_slo_met if now <= req.deadline else m.ttft_slo_missed).inc()
+                self._first_token(req, now)
                 self._append(req, int(results[i][0]), float(results[i][1]))
                 if req.out.finished:
                     finished.append(req.out)
         self.refresh_gauges()
         return finished
+
+    def _observe(self, plan: Plan, seconds: float | None) -> list[RequestOutput]:
+        """A completed step's metrics (and the cost model's sample); a fresh finished list."""
+        m = self.metrics
+        tokens = sum(end - start for _, start, end in plan.chunks)
+        if seconds is not None:
+            self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
+            (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
+        m.batch_size.observe(len(plan.chunks))
+        m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
+        return []
+
+    def _first_token(self, req: Request, now: float) -> None:
+        if req.first_token_at is None:
+            m = self.metrics
+            req.first_token_at = now
+            m.ttft_seconds.observe(now - req.arrival)
+            if req.deadline is not None:
+                (m.ttft_slo_met if now <= req.deadline else m.ttft_slo_missed).inc()
 
     def refresh_gauges(self) -> None:
         m, pool = self.metrics, self.pool
@@ -447,8 +507,8 @@ class Scheduler:
         batch = []
         running = set(map(id, self.running))
         for req in list(self.running):
-            if id(req) not in running or req.num_computed != len(req.tokens) - 1:
-                continue  # preempted below to make room, or still in prefill
+            if id(req) not in running or req.num_computed != len(req.tokens) - 1 or self._done(req):
+                continue  # preempted below to make room, still in prefill, or sampling its last token
             while not self.grow(req, req.num_computed + 1):
                 if self.drop_pins():
                     continue
@@ -617,14 +677,17 @@ class Scheduler:
 
     def _append(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)
-        req.out.token_ids.append(token)
-        self.metrics.tokens_generated.inc()
-        if req.out.logprobs is not None:
-            req.out.logprobs.append(logprob)
+        self._emit(req, token, logprob)
         if token in req.stops:
             self._finish(req, "stop")
         elif req.generated >= req.params.max_tokens:
             self._finish(req, "length")
+
+    def _emit(self, req: Request, token: int, logprob: float) -> None:
+        req.out.token_ids.append(token)
+        self.metrics.tokens_generated.inc()
+        if req.out.logprobs is not None:
+            req.out.logprobs.append(logprob)
 
     def _finish(self, req: Request, reason: str, why: str | None = None, *, early: bool = False,
                 count: bool = True) -> None:

@@ -1092,6 +1092,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-per-layer", action="store_true",
                     help="compile one decoder layer per step shape instead of the unrolled model (much "
                     "shorter start-up and first-use compiles, a dispatch per layer per step)")
+    ap.add_argument("--overlap-steps", action="store_true",
+                    help="dispatch each step before the previous one's tokens reach the host "
+                    "(scheduling overlaps the device; not yet measured on a GPU)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
     args = ap.parse_args(argv)
 
@@ -1111,7 +1114,7 @@ def main(argv: list[str] | None = None) -> None:
               memory_fraction=args.gpu_memory_utilization, max_num_seqs=max_num_seqs,
               max_prefill_tokens=args.max_num_batched_tokens, max_adapters_per_batch=args.max_loras,
               max_lora_rank=max_rank, host_cache_size=args.max_cpu_loras,
-              compile_per_layer=args.compile_per_layer,
+              compile_per_layer=args.compile_per_layer, overlap_steps=args.overlap_steps,
               **({"ttft_slo": args.ttft_slo} if args.ttft_slo is not None else {}))
     if not args.no_warmup:
         # The embedded default's adapters target mixed module sets, so few of its batches would

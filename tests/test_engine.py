@@ -15,7 +15,10 @@ import os
 import numpy as np
 import pytest
 
-from slora_jax import LLM, SamplingParams
+from slora_jax import LLM, SamplingParams, paged
+from slora_jax.scheduler import PENDING
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # as bench/run.py counts them
 from slora_jax.adapters import AdapterError, load_peft_adapter, random_peft_adapter
 from slora_jax.config import load_model_config
 from slora_jax.layout import AdapterLayout
@@ -516,11 +519,17 @@ def test_adapter_regions_that_leave_no_kv_are_refused(paths):
                  adapter_memory="padded_slots", adapter_slots=4)  # 4 * 18 pages > 63
 
 
-def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm):
-    """After warmup, a base-model request of any length up to max_context meets no new step shape,
-    and the null-page steps it ran leave outputs as the shared engine's."""
-    eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_prefill_tokens=32)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain_steps", "overlapped_steps"])
+def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap):
+    """After warmup, a base-model request of any length up to max_context meets no new step shape
+    and no backend compile, and the null-page steps it ran leave outputs as the shared engine's."""
+    from jax import monitoring
+    eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_prefill_tokens=32,
+                   overlap_steps=overlap)
     n = eng.warmup(max_context=32, progress=False)
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if event == COMPILE_EVENT else None)
     # decode: batches 1, 2 x page tables of 1, 2, 4, 8 pages (one, max_model_len's, under the Pallas
     # kernel: the GPU default); prefill of fresh prompts: 16 or 32 tokens (no page table read).
     tables = 1 if eng.engine.opts.attention_backend == "pallas" else 4
@@ -531,6 +540,7 @@ def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm):
     for prompt in prompts:
         eng.generate([prompt], sp)
         assert len(eng.engine._shapes) == n, "a warmed-up base shape compiled again"
+    assert compiles == [], "a step compiled after warmup"
     assert_same(eng.generate(prompts, sp), llm.generate(prompts, sp))
     assert_drained(eng)
 
@@ -726,4 +736,94 @@ def test_long_prompt_chunks_beside_fresh_prompts_match_reference(paths, monkeypa
     want = ReferenceEngine(CFG, engine.params, "float32").generate(
         prompts, [SP] * 4, [0] * 4, [loaded[a] if a else None for a in names], CFG.eos_token_ids)
     assert_same(outs, want)
+    assert_drained(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# Overlapped steps: step n+1 is dispatched before step n's tokens reach the host; its input tokens
+# come from step n's results on the device. Outputs must be those of the plain step loop.
+
+
+def _spy_fed_tokens(monkeypatch):
+    """Record, per dispatched step, how many of its tokens were fed from the device."""
+    fed = []
+    real = paged.step
+
+    def spy(params, pool, inp, **kw):
+        assert inp.token_src is not None and inp.prev_results is not None
+        fed.append(int((np.asarray(inp.token_src) >= 0).sum()))
+        return real(params, pool, inp, **kw)
+    monkeypatch.setattr(paged, "step", spy)
+    return fed
+
+
+@pytest.mark.parametrize("case", ["plain", "preempting", "mixed_steps"])
+def test_overlapped_steps_match_reference(paths, ref, monkeypatch, case):
+    options = {"plain": dict(page_size=16, pool_pages=BIG),
+               "preempting": dict(page_size=4, pool_pages=tight_pool(paths)),
+               "mixed_steps": dict(page_size=4, pool_pages=BIG * 4, mixed_steps=True, max_prefill_tokens=4,
+                                   max_prefill_seqs=1)}[case]
+    engine = make_llm(paths, overlap_steps=True, **options)
+    fed = _spy_fed_tokens(monkeypatch)
+    outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
+    assert_same(outs, ref["old"])
+    # Every token after a request's first was sampled by the step just before the one that reads
+    # it, so it comes from the device; with preemption, some come back through a prefill instead.
+    decode_tokens = len(W_PROMPTS) * (MAX_TOKENS - 1)
+    if case == "preempting":
+        assert decode_tokens / 2 < sum(fed) < decode_tokens, fed
+    else:
+        assert sum(fed) == decode_tokens, fed
+    if case == "plain":
+        assert fed == [0] + [len(W_PROMPTS)] * (MAX_TOKENS - 1)  # the prefill step, then all rows
+    st = engine.stats()
+    if case == "preempting":
+        assert st["preempted"] > 0, st
+    if case == "mixed_steps":
+        assert st["mixed_steps"] > 0, st
+    assert st["tokens_generated"] == len(W_PROMPTS) * MAX_TOKENS  # no token of a dropped row counted
+    assert_drained(engine)
+
+
+def test_overlapped_steps_stop_tokens_and_seeded_sampling_match_plain_steps(paths, llm, ref, monkeypatch):
+    """A row that stops on a stop token while its next step is already dispatched: that step's
+    token is dropped, the pages come back, and every other row (seeded sampling included) gets
+    the plain loop's tokens."""
+    toks = ref["old"][2].token_ids
+    k = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    params = [SEEDED, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True)] + \
+        [SP] * (len(W_PROMPTS) - 2)
+    params[2] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[toks[k]],
+                               ignore_eos=True, logprobs=True)
+    plain = llm.generate(W_PROMPTS, params, adapter=W_NAMES)
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, overlap_steps=True)
+    _spy_fed_tokens(monkeypatch)
+    outs = engine.generate(W_PROMPTS, params, adapter=W_NAMES)
+    assert outs[2].finish_reason == "stop" and outs[2].token_ids == toks[:k + 1]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
+    assert_drained(engine)
+    assert_drained(llm)
+
+
+def test_overlapped_steps_abort_in_flight(paths, ref):
+    """A request aborted while a step holding it is on the device: nothing of it comes back after
+    the abort, the others are unchanged, and the pool drains."""
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, overlap_steps=True)
+    eng = engine.engine
+    rids = [eng.add_request(p, SP, a, 0, CFG.eos_token_ids).request_id for p, a in zip(W_PROMPTS, W_NAMES)]
+    outs = {}
+    for _ in range(3):  # the prefill step, then decode steps in flight
+        for o in eng.step():
+            outs[o.request_id] = o
+    victim = eng.sched.running[0]
+    assert victim.tokens[-1] == PENDING  # its token of the in-flight step is not on the host yet
+    eng.abort(victim.rid)
+    kept = len(victim.out.token_ids)
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert victim.out.finish_reason == "abort" and len(victim.out.token_ids) == kept
+    rows = [i for i, r in enumerate(rids) if r != victim.rid]
+    assert_same([outs[rids[i]] for i in rows], [ref["old"][i] for i in rows])
     assert_drained(engine)
