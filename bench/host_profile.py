@@ -37,6 +37,7 @@ def main() -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--layers", type=int, default=None, help="override the tiny model's num_hidden_layers")
     ap.add_argument("--per-layer", action="store_true", help="EngineOptions.compile_per_layer")
+    ap.add_argument("--overlap", action="store_true", help="EngineOptions.overlap_steps")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -54,7 +55,8 @@ def main() -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="slora-host-"))
     files = [random_peft_adapter(tmp / f"r{r}", cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                                  seed=r) for r in ranks]
-    llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, page_size=16, pool_pages=20000, max_num_seqs=args.max_num_seqs,
+    llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, overlap_steps=args.overlap, page_size=16,
+              pool_pages=20000, max_num_seqs=args.max_num_seqs,
               max_prefill_tokens=4096, max_prefill_seqs=32, max_adapters_per_batch=args.max_num_seqs,
               max_lora_rank=max(ranks), min_decode_batch=16)
     names = [f"lora-{i}" for i in range(args.adapters)]
@@ -83,7 +85,7 @@ def main() -> dict:
     phases = {k: (eng.host_seconds[k] - before[k]) * 1e3 / args.steps for k in before}
     result = {"commit": git_commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "adapters": args.adapters, "ranks": ranks, "layers": cfg.num_hidden_layers,
-              "compile_per_layer": args.per_layer, "running": len(eng.running),
+              "compile_per_layer": args.per_layer, "overlap_steps": args.overlap, "running": len(eng.running),
               "waiting": len(eng.waiting), "steps": args.steps, "ms_per_step": wall * 1e3 / args.steps,
               "phase_ms_per_step": phases}
     print(json.dumps(result, indent=1))
