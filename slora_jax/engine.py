@@ -330,15 +330,7 @@ class Engine:
             self.sched.refresh_gauges()
             return plan.finished
         t2 = time.perf_counter()
-        _group_by_adapter(plan.chunks)
-        inp, _ = self._inputs(plan)
-        shape = (plan.kind, jax.tree_util.tree_structure(inp),
-                 tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
-        first_run = shape not in self._shapes
-        self._shapes.add(shape)
-        t = time.perf_counter()
-        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg,
-                                      per_layer=self.opts.compile_per_layer)
+        results, first_run, t = self._launch(plan)
         # While the device runs the step: copy in what the next batch is predicted to need.
         t_pre = time.perf_counter()
         self._write_adapters(self.sched.prefetch(plan), speculative=True)
@@ -370,16 +362,7 @@ class Engine:
         t2 = t = t_pre = t_wait = time.perf_counter()
         launched = None
         if plan.chunks:
-            _group_by_adapter(plan.chunks)
-            inp, _ = self._inputs(plan)
-            inp = self._fed(inp, plan)
-            shape = (plan.kind, jax.tree_util.tree_structure(inp),
-                     tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
-            first_run = shape not in self._shapes
-            self._shapes.add(shape)
-            t = time.perf_counter()
-            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg,
-                                          per_layer=self.opts.compile_per_layer)
+            results, first_run, t = self._launch(plan)
             t_pre = time.perf_counter()
             self._write_adapters(self.sched.prefetch(plan), speculative=True)
             self.sched.advance(plan)
@@ -412,6 +395,22 @@ class Engine:
         h["device_wait"] += t_done - t_wait
         h["complete"] += time.perf_counter() - t_done
         return finished
+
+    def _launch(self, plan) -> tuple[jax.Array, bool, float]:
+        """Order the plan's sequences by adapter, build its inputs and dispatch the step: (its
+        results, still on the device; whether its shape is new, i.e. it compiles; when the inputs
+        were ready)."""
+        _group_by_adapter(plan.chunks)
+        inp, _ = self._inputs(plan)
+        if self.opts.overlap_steps:
+            inp = self._fed(inp, plan)
+        shape = (plan.kind, jax.tree_util.tree_structure(inp),
+                 tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
+        first_run = shape not in self._shapes
+        self._shapes.add(shape)
+        t = time.perf_counter()
+        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.opts.compile_per_layer)
+        return results, first_run, t
 
     def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:
         """Overlapped steps: the tokens still on the device (PENDING on the host) are read from
