@@ -827,3 +827,39 @@ def test_overlapped_steps_abort_in_flight(paths, ref):
     rows = [i for i, r in enumerate(rids) if r != victim.rid]
     assert_same([outs[rids[i]] for i in rows], [ref["old"][i] for i in rows])
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["split_steps", "mixed_steps"])
+def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
+    """Random lengths, max_tokens from 1, stop tokens, greedy and seeded rows, four adapters and the
+    base model, in a pool so tight that it preempts requests and evicts adapters: the overlapped
+    loop gives the plain loop's tokens, finish reasons and logprobs."""
+    rng = np.random.default_rng(11)
+    n = 12
+    prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, int(rng.integers(1, 12)))] for _ in range(n)]
+    names = [[None, "a", "b", "c", "d"][int(rng.integers(0, 5))] for _ in range(n)]
+    lengths = [1 if i == 1 else int(rng.integers(1, MAX_TOKENS + 1)) for i in range(n)]
+
+    def sampling(i, stops=None):
+        return SamplingParams(max_tokens=lengths[i], ignore_eos=True, logprobs=True, stop_token_ids=stops,
+                              **(dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0.0)))
+    kv = 5  # KV pages of 4 tokens: one row at its full length (up to 5 pages) fills them
+    options = dict(page_size=4, pool_pages=1 + sum(pages_of(paths, a, 4) for a in "abcd") + kv, max_num_seqs=6,
+                   mixed_steps=mixed, max_prefill_tokens=8, max_prefill_seqs=3)
+    reference = make_llm(paths, **options)
+    # Every third row stops on its own third token (seen in a first run without stops).
+    first = reference.generate(prompts, [sampling(i) for i in range(n)], adapter=names)
+    params = [sampling(i, [first[i].token_ids[2]]) if i % 3 == 0 and len(first[i].token_ids) > 3 else sampling(i)
+              for i in range(n)]
+    plain = reference.generate(prompts, params, adapter=names)
+    engine = make_llm(paths, overlap_steps=True, **options)
+    outs = engine.generate(prompts, params, adapter=names)
+    assert any(o.finish_reason == "stop" for o in plain) and any(len(o.token_ids) == 1 for o in plain)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
+    for o, p in zip(outs, plain):
+        np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-5, rtol=0)
+    st = engine.stats()
+    assert st["tokens_generated"] == sum(len(o.token_ids) for o in plain)
+    assert st["preempted"] > 0 and st["evictions"] > 0, st  # pages reused under a step in flight
+    assert_drained(engine)
