@@ -37,7 +37,9 @@ case $group in
     # 7-8: prefetch on/off at 0.9x the capacity: TTFT of cold- vs warm-adapter requests (issue 5).
     #      (At half the capacity, session 5, nothing ever waited: every admission loaded its adapter
     #      at once, prefetch hits 0 of 196, and cold TTFT equalled warm with prefetch off too.
-    #      A prefetch can only hit where requests queue.)
+    #      A prefetch can only hit where requests queue.) Then the same pair with a host cache of
+    #      16 adapters: cold adapters come from disk, a load costs milliseconds more, and what a
+    #      prefetch hides shows (pool.adapter_disk_loads counts them).
     # 9-14: four times the capacity, cv 1/4/8, early abort vs FCFS: SLO attainment (issue 5).
     #      (At twice the capacity for 20 s every first token still came within 6 s: admission
     #      grows the batch and decode slows, so nothing separates the policies there.)
@@ -55,6 +57,8 @@ case $group in
       --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
       --variant "S2-n1000-prefetch-on-0.9:--rate-from $cap:0.9 --warmup-s 5" \
       --variant "S2-n1000-prefetch-off-0.9:--rate-from $cap:0.9 --warmup-s 5 --engine prefetch_adapters=0" \
+      --variant "S2-n1000-prefetch-on-0.9-disk:--rate-from $cap:0.9 --warmup-s 5 --engine host_cache_size=16" \
+      --variant "S2-n1000-prefetch-off-0.9-disk:--rate-from $cap:0.9 --warmup-s 5 --engine prefetch_adapters=0 --engine host_cache_size=16" \
       --variant "S2-n1000-overload-cv1-abort:--rate-from $cap:4 --cv 1 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
       --variant "S2-n1000-overload-cv1-fcfs:--rate-from $cap:4 --cv 1 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
       --variant "S2-n1000-overload-cv4-abort:--rate-from $cap:4 --cv 4 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
