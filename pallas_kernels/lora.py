@@ -30,6 +30,12 @@ rank rows j..j+15 is one 2-D gather: a row index and a column offset per rank ro
 case covers MLP widths such as 11008 with W = 4096 (C = 256). Widths whose common power-of-two
 factor is below 16 (Triton's smallest dot side) fall back to the jnp reference.
 
+Groups. Modules that read the same x (q, k and v) shrink in one launch (`lora_shrink_group`): grid
+axis 1 walks (module, rank tile) pairs, module g's A rows and ranks are row block g of the stacked
+arrays, and its xa columns start at g * Rw. Each module then expands from its own columns
+(`lora_expand(..., xa_col=g * Rw)`). One launch instead of three per layer, and expand reads
+shrink's padded xa directly (no slice copy).
+
 The same kernel bodies run in interpret mode (CPU) and through the Triton lowering (GPU).
 """
 
@@ -92,14 +98,20 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret):
-    p, k = pl.program_id(0), pl.program_id(1)  # k: this program's rank tile
+                   n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
+                   slots, tiles, module_cols):
+    # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
+    # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
+    # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
+    p, gk = pl.program_id(0), pl.program_id(1)
+    g, k = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # k: this program's rank tile of module g
     q = pl.program_id(2)                       # q: this program's share of the `in` columns
     n_chunks = fin // col_tile
     per_split = -(-n_chunks // split_k)
 
     def block(b):
-        s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+        s0, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+        s = g * slots + s0                     # module g's row of slot s0
         r = ranks_ref[s]
 
         @pl.when(k * rank_tile < r)
@@ -124,21 +136,23 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 lo = q * per_split
                 hi = jnp.minimum(lo + per_split, n_chunks)
             acc = jax.lax.fori_loop(lo, hi, chunk, jnp.zeros((block_t, rank_tile), jnp.float32))
-            tile = xa_ref.at[pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)]
+            cols = pl.ds(g * module_cols + k * rank_tile, rank_tile)
+            tile = xa_ref.at[pl.ds(start, block_t), cols]
             mask = tok_live[:, None] & j_live[None, :]
             if split_k == 1:
                 plgpu.store(tile, acc, mask=mask)
             else:  # partial sums over column ranges meet in the zeroed xa (padded to whole
                 # tiles, so no block's tile runs past it); dead entries add zero
                 acc = jnp.where(mask, acc, 0.0)
-                plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), pl.ds(k * rank_tile, rank_tile)), acc,
+                plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), cols), acc,
                                  mask=None if interpret else mask)  # interpret mode: no masks
 
     _blocks(p, n_programs, total_ref, block)
 
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype):
+                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col):
+    # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
     col = o * col_tile
 
@@ -153,7 +167,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
             bt = _gather_tile(rows_ref, b_rows_ref, s, jnp.where(j_live, j, 0) * fout + col, width,
                               col_tile)                                       # [rank_tile, C]
             bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
-            xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(kt * rank_tile, rank_tile)],
+            xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
                              mask=tok_live[:, None] & j_live[None, :], other=0).astype(dtype)
             return acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())),
                                              preferred_element_type=jnp.float32)
@@ -247,35 +261,45 @@ def _check_block_t(block_t: int):
                                              "max_programs"))
 def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_features, interpret, block_t,
             max_programs):
+    """xa of one module (a_rows [Sa, RA], ranks [Sa]) or of G modules sharing x (a_rows [G, Sa, RA],
+    ranks [G, Sa]): [T', G * Rw], module g's columns from g * Rw; T' >= T and Rw >= max_rank (with
+    split_k > 1 both are padded to whole tiles). The schedule covers the slots live in any module."""
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
-    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
-                                                       schedule)
+    grouped = a_rows.ndim == 3
+    a_rows, ranks = (a_rows, ranks) if grouped else (a_rows[None], ranks[None])
+    n_modules, slots = ranks.shape
+    _, sched, total, nb, n_programs = _plan_blocks(ranks.max(axis=0), seg_starts, t, max_rank, block_t,
+                                                   max_programs, schedule)
+    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank).reshape(-1)
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
+    tiles = pl.cdiv(max_rank, rank_tile)
+    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode)
+    rows_out, module_cols = (t, max_rank) if split_k == 1 else (t + block_t, tiles * rank_tile)
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
-        dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret)
-    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode)
-    shape = (t, max_rank) if split_k == 1 else (t + block_t, pl.cdiv(max_rank, rank_tile) * rank_tile)
-    xa = pl.pallas_call(
+        dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
+        slots=slots, tiles=tiles, module_cols=module_cols)
+    shape = (rows_out, n_modules * module_cols)
+    return pl.pallas_call(
         kernel,
-        grid=(n_programs, pl.cdiv(max_rank, rank_tile), split_k),
+        grid=(n_programs, n_modules * tiles, split_k),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},  # written only where live: the rest stays zero
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_shrink",
-    )(total, sched, ranks, a_rows.astype(jnp.int32), x, rows, jnp.zeros(shape, jnp.float32))
-    return xa if split_k == 1 else xa[:t, :max_rank]
+    )(total, sched, ranks, a_rows.reshape(n_modules * slots, -1).astype(jnp.int32), x, rows,
+      jnp.zeros(shape, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "interpret", "block_t",
-                                             "max_programs"))
+                                             "max_programs", "xa_col"))
 def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_features, interpret, block_t,
-            max_programs):
+            max_programs, xa_col=0):
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
@@ -283,7 +307,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
                                                        schedule)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
-        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype)
+        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col)
     return pl.pallas_call(
         kernel,
         grid=(n_programs, out_features // col_tile),
@@ -312,41 +336,69 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
     for this module); seg_starts [Sa+1]. Unused entries of a_rows may point at any row.
     schedule: block_schedule(ranks, seg_starts, T, block_t), built on the host; None: in the graph.
     """
+    xa = lora_shrink_group(x, rows, (a_rows,), (ranks,), seg_starts, max_rank=max_rank, in_features=in_features,
+                           interpret=interpret, block_t=block_t, max_programs=max_programs, schedule=schedule)
+    return xa[:x.shape[0], :max_rank]
+
+
+def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int, interpret=None,
+                      block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
+    """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
+    are sequences of G per-module arrays. Returns xa [T', G * Rw] float32, module g's columns from
+    g * Rw (Rw = xa.shape[1] // G >= max_rank, T' >= T: split-K pads both to whole tiles); pass it
+    to lora_expand with xa_col = g * Rw. schedule: block_schedule of the slots that any module has."""
     assert x.shape[1] == in_features, (x.shape, in_features)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
-        return lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank,
-                                     in_features=in_features)
+        return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
+                                                      in_features=in_features) for a, r in zip(a_rows, ranks)], 1)
     _check_block_t(block_t)
-    return _shrink(x, rows, a_rows, ranks, seg_starts, schedule, max_rank=max_rank, in_features=in_features,
-                   interpret=_interpret(interpret), block_t=block_t, max_programs=max_programs)
+    stack = (lambda v: jnp.stack([jnp.asarray(a) for a in v])) if len(a_rows) > 1 else (lambda v: v[0])
+    return _shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule, max_rank=max_rank,
+                   in_features=in_features, interpret=_interpret(interpret), block_t=block_t,
+                   max_programs=max_programs)
 
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
-    """y + xa[:, :r_s] @ B_s for the tokens of slot s (base tokens unchanged), in y's dtype.
+                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None,
+                xa_col: int = 0):
+    """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of slot s (base tokens unchanged), in
+    y's dtype.
 
-    y [T, out]; xa [T, max_rank] float32 (from lora_shrink); b_rows [Sa, RB] int32 row indices of
-    scale*B_s [r_s, out] flattened. The product runs in the pool's dtype, accumulated in float32.
+    y [T, out]; xa [T' >= T, >= xa_col + max_rank] float32 (from lora_shrink, or lora_shrink_group
+    with xa_col = g * Rw); b_rows [Sa, RB] int32 row indices of scale*B_s [r_s, out] flattened.
+    The product runs in the pool's dtype, accumulated in float32.
     """
-    assert y.shape[1] == out_features and xa.shape[1] == max_rank, (y.shape, xa.shape, out_features)
+    assert y.shape[1] == out_features and xa.shape[0] >= y.shape[0] and xa.shape[1] >= xa_col + max_rank, \
+        (y.shape, xa.shape, out_features, xa_col)
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
         # See lora_shrink.
-        return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank,
-                                     out_features=out_features)
+        return lora_expand_reference(y, xa[:y.shape[0], xa_col:xa_col + max_rank], rows, b_rows, ranks, seg_starts,
+                                     max_rank=max_rank, out_features=out_features)
     _check_block_t(block_t)
     return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs)
+                   max_programs=max_programs, xa_col=xa_col)
 
 
 def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
                **kernel_options):
     """y + (x @ A_s) @ B_s for the tokens of slot s, base tokens unchanged, in y's dtype: shrink, then
     expand straight into y (no delta buffer, no separate add)."""
-    xa = lora_shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin, **kernel_options)
-    return lora_expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout,
-                       **kernel_options)
+    return lora_apply_group((y,), x, rows, (a_rows,), (b_rows,), (ranks,), seg_starts, max_rank=max_rank,
+                            fin=fin, fouts=(fout,), **kernel_options)[0]
+
+
+def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fouts,
+                     **kernel_options):
+    """lora_apply for G modules that read the same x: one shrink launch (lora_shrink_group), then
+    one expand per module into its own y. ys, a_rows, b_rows, ranks, fouts: one per module."""
+    xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
+                           **kernel_options)
+    cols = xa.shape[1] // len(ys)
+    return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
+                             **kernel_options)
+                 for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))
 
 
 def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,

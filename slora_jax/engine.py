@@ -681,10 +681,14 @@ class Engine:
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
-        for module, rk in ranks.items():
-            key = (rk > 0).tobytes()
+        masks = {module: rk > 0 for module, rk in ranks.items()}
+        qkv = [masks[m] for m in paged.QKV if m in masks]
+        if backend == "pallas" and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
+            masks["qkv"] = np.logical_or.reduce(qkv)
+        for module, mask in masks.items():
+            key = mask.tobytes()
             if key not in seen:
-                seen[key] = block_schedule(rk, seg_starts, t)
+                seen[key] = block_schedule(mask.astype(np.int32), seg_starts, t)
             out[module] = seen[key]
         return out
 

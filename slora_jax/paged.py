@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import lora_apply
+from pallas_kernels.lora import lora_apply, lora_expand, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -226,14 +226,36 @@ def lora_xla(x, pool_layer, a_rows, b_rows, ranks, token_slot, max_rank: int, fi
     return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)
 
 
+QKV = ("q_proj", "k_proj", "v_proj")  # modules that read the same x: one grouped shrink (Pallas)
+
+
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
-    paged_attention_xla). The kernels add their product into the base output y in place."""
+    paged_attention_xla). The kernels add their product into the base output y in place. Under
+    "pallas", the first of q, k and v shrinks all of them in one launch (lora_shrink_group; the
+    step's schedules["qkv"] covers their slots) and each expands from its columns of that xa."""
+    grouped: dict = {}  # layer -> (x, xa of the QKV group): the model calls q, k, v with one x
+
     def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
             return y
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
+        group = [m for m in QKV if m in lora.rows] if module in QKV and lora.backend == "pallas" else []
+        if len(group) > 1:
+            pl = pool[layer]
+            rows = pl.reshape(-1, pl.shape[-1])
+            seen = grouped.get(layer)
+            if seen is None or seen[0] is not x:
+                schedule = lora.schedules.get("qkv") if lora.schedules else None
+                seen = grouped[layer] = (x, lora_shrink_group(
+                    x, rows, [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group], lora.seg_starts,
+                    max_rank=lora.max_rank, in_features=fin, schedule=schedule))
+            xa = seen[1]
+            schedule = lora.schedules.get(module) if lora.schedules else None
+            return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
+                               out_features=fout, schedule=schedule,
+                               xa_col=group.index(module) * (xa.shape[1] // len(group)))
         if lora.backend in ("pallas", "triton"):
             if lora.backend == "pallas":
                 kernel_apply = lora_apply

@@ -310,3 +310,34 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
         assert not np.asarray(xa)[dead].any()  # zero past each token's rank, as with one split
     finally:
         jax.clear_caches()
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_grouped_apply_matches_each_module(monkeypatch, split_k):
+    """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
+    a slot that only some modules have, one shrink launch: each y gets its own module's delta."""
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        lens = (1, 5, 0, 13, 9, 3)
+        cases = [Case(ranks=(1, 8, 16, 64, 128, 0), lens=lens, fout=128),
+                 Case(ranks=(8, 0, 16, 1, 128, 0), lens=lens, fout=64),
+                 Case(ranks=(64, 8, 0, 0, 16, 0), lens=lens, fout=64)]
+        made = [make_inputs(c, jnp.float32, seed=seed_of("group", i)) for i, c in enumerate(cases)]
+        x, seg = made[0][0]["x"], made[0][3]
+        # One pool: module i's rows at offset i * POOL_ROWS.
+        rows = jnp.concatenate([m[0]["rows"] for m in made])
+        a_rows = [m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
+        b_rows = [m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
+        ranks = [m[0]["ranks"] for m in made]
+        ys = [jnp.asarray(np.random.default_rng(i).normal(size=(TOKENS, c.fout)), jnp.float32)
+              for i, c in enumerate(cases)]
+        union = np.max([m[4] for m in made], axis=0)
+        got = lora.lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"],
+                                    max_rank=MAX_RANK, fin=64, fouts=[c.fout for c in cases], interpret=True,
+                                    schedule=lora.block_schedule(union, seg, TOKENS))
+        for i, (c, m) in enumerate(zip(cases, made)):
+            want = np.asarray(ys[i], np.float64) + dense_delta(x, m[1], m[2], seg, m[4], c.fout)
+            assert rel_err(got[i], want) < TOL[jnp.float32], i
+    finally:
+        jax.clear_caches()
