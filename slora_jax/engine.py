@@ -78,6 +78,8 @@ class EngineOptions(SchedulerOptions):
     # one-hot path (xla), one with more the Pallas kernel. One-hot work grows with slots x batch
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
     lora_hybrid_slots: int = 32
+    # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
+    lora_group_qkv: bool = True
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -530,6 +532,7 @@ class Engine:
             lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=seg_starts,
                                     rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
                                     max_rank=self.opts.max_lora_rank, backend=backend,
+                                    group_qkv=self.opts.lora_group_qkv,
                                     schedules=self._schedules(ranks, seg_starts, t, backend))
         fed = dict(token_src=np.full(t, -1, np.int32), prev_results=self._prev_results) \
             if self.opts.overlap_steps else {}
@@ -671,6 +674,7 @@ class Engine:
             at += ra + rb + 1
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
                                 max_rank=self.opts.max_lora_rank, backend=backend,
+                                group_qkv=self.opts.lora_group_qkv,
                                 schedules=self._schedules(ranks, seg_starts, t, backend))
 
     @staticmethod

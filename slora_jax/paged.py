@@ -44,6 +44,7 @@ class LoraInputs:
     max_rank: int = flax.struct.field(pytree_node=False)
     backend: str = flax.struct.field(pytree_node=False, default="xla")
     schedules: dict | None = None
+    group_qkv: bool = flax.struct.field(pytree_node=False, default=True)  # see pool_lora
 
 
 @flax.struct.dataclass
@@ -232,8 +233,9 @@ QKV = ("q_proj", "k_proj", "v_proj")  # modules that read the same x: one groupe
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
-    "pallas", the first of q, k and v shrinks all of them in one launch (lora_shrink_group; the
-    step's schedules["qkv"] covers their slots) and each expands from its columns of that xa."""
+    "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
+    (lora_shrink_group; the step's schedules["qkv"] covers their slots) and each expands from its
+    columns of that xa."""
     grouped: dict = {}  # layer -> (x, xa of the QKV group): the model calls q, k, v with one x
 
     def apply(layer, module, x, y, _kv):
@@ -241,7 +243,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             return y
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
-        group = [m for m in QKV if m in lora.rows] if module in QKV and lora.backend == "pallas" else []
+        group = [m for m in QKV if m in lora.rows] \
+            if module in QKV and lora.backend == "pallas" and lora.group_qkv else []
         if len(group) > 1:
             pl = pool[layer]
             rows = pl.reshape(-1, pl.shape[-1])

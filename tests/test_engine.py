@@ -863,3 +863,24 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
     assert st["tokens_generated"] == sum(len(o.token_ids) for o in plain)
     assert st["preempted"] > 0 and st["evictions"] > 0, st  # pages reused under a step in flight
     assert_drained(engine)
+
+
+def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
+    """Pallas LoRA with q, k and v in one shrink launch (lora_group_qkv, the default) and one launch
+    each: the reference's tokens both ways, and the grouped launch is really taken."""
+    groups = []
+    real = paged.lora_shrink_group
+
+    def spy(x, rows, a_rows, *args, **kw):
+        groups.append(len(a_rows))
+        return real(x, rows, a_rows, *args, **kw)
+    monkeypatch.setattr(paged, "lora_shrink_group", spy)
+    rows = [0, 1, 3, 5]  # adapters a, b, c (q, k, v among their targets) and a again
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    for grouped in (True, False):
+        groups.clear()
+        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas", lora_group_qkv=grouped)
+        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+        assert (max(groups, default=0) == 3) == grouped, groups
+        assert_drained(engine)
