@@ -78,15 +78,15 @@ def randomize_pool(llm: LLM) -> None:
 
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     """"lora/attention", then optional parts: "/layer" for EngineOptions.compile_per_layer,
-    "/ungrouped" for lora_group_qkv=False (q, k, v shrink in three launches)."""
+    "/grouped" for lora_group_qkv=True (q, k, v shrink in one launch)."""
     lora, attn, *rest = pair.split("/")
-    if not set(rest) <= {"layer", "ungrouped"}:
-        raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer, ungrouped")
+    if not set(rest) <= {"layer", "grouped"}:
+        raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer, grouped")
     eng = llm.engine
     eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
     eng.opts.prefill_lora_backend = "pallas" if lora == "hybrid" else lora
     eng.opts.compile_per_layer = "layer" in rest
-    eng.opts.lora_group_qkv = "ungrouped" not in rest
+    eng.opts.lora_group_qkv = "grouped" in rest
     eng._decode_pages = eng.decode_page_floor()
     return lora, attn
 
@@ -204,8 +204,8 @@ def main() -> None:
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process); "
-                         "a third part /layer turns on EngineOptions.compile_per_layer, /ungrouped turns "
-                         "off lora_group_qkv (e.g. pallas/pallas/layer/ungrouped)")
+                         "a third part /layer turns on EngineOptions.compile_per_layer, /grouped "
+                         "lora_group_qkv (e.g. pallas/pallas/layer/grouped)")
     ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--memory-fraction", type=float, default=0.7,

@@ -79,7 +79,8 @@ class EngineOptions(SchedulerOptions):
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
     lora_hybrid_slots: int = 32
     # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
-    lora_group_qkv: bool = True
+    # Off until the GPU benchmark measures it (its Triton lowering has not run on a GPU yet).
+    lora_group_qkv: bool = False
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False

@@ -44,7 +44,7 @@ class LoraInputs:
     max_rank: int = flax.struct.field(pytree_node=False)
     backend: str = flax.struct.field(pytree_node=False, default="xla")
     schedules: dict | None = None
-    group_qkv: bool = flax.struct.field(pytree_node=False, default=True)  # see pool_lora
+    group_qkv: bool = flax.struct.field(pytree_node=False, default=False)  # see pool_lora
 
 
 @flax.struct.dataclass

@@ -866,8 +866,8 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
 
 
 def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
-    """Pallas LoRA with q, k and v in one shrink launch (lora_group_qkv, the default) and one launch
-    each: the reference's tokens both ways, and the grouped launch is really taken."""
+    """Pallas LoRA with q, k and v in one shrink launch (lora_group_qkv) and one launch each (the
+    default): the reference's tokens both ways, and the grouped launch is really taken."""
     groups = []
     real = paged.lora_shrink_group
 
