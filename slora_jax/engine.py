@@ -534,7 +534,7 @@ class Engine:
                                     rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
                                     max_rank=self.opts.max_lora_rank, backend=backend,
                                     group_qkv=self.opts.lora_group_qkv,
-                                    schedules=self._schedules(ranks, seg_starts, t, backend))
+                                    schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))
         fed = dict(token_src=np.full(t, -1, np.int32), prev_results=self._prev_results) \
             if self.opts.overlap_steps else {}
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros, **fed,
@@ -676,19 +676,21 @@ class Engine:
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
                                 max_rank=self.opts.max_lora_rank, backend=backend,
                                 group_qkv=self.opts.lora_group_qkv,
-                                schedules=self._schedules(ranks, seg_starts, t, backend))
+                                schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))
 
     @staticmethod
-    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str) -> dict | None:
+    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str,
+                   group_qkv: bool = False) -> dict | None:
         """The kernels' block schedule of each module, built here on the host (one per distinct
-        set of slots that target the module) instead of by small XLA ops at every kernel call;
-        None for the one-hot path, which has no schedule."""
+        set of slots that target the module) instead of by small XLA ops at every kernel call,
+        and with group_qkv one under "qkv" for the slots of any of q, k and v; None for the
+        one-hot path, which has no schedule."""
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
         masks = {module: rk > 0 for module, rk in ranks.items()}
         qkv = [masks[m] for m in paged.QKV if m in masks]
-        if backend == "pallas" and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
+        if group_qkv and backend == "pallas" and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
             masks["qkv"] = np.logical_or.reduce(qkv)
         for module, mask in masks.items():
             key = mask.tobytes()
