@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import lora_apply, lora_expand, lora_shrink_group
+from pallas_kernels.lora import lora_expand, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -236,41 +236,36 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
     (lora_shrink_group; the step's schedules["qkv"] covers their slots) and each expands from its
     columns of that xa."""
-    grouped: dict = {}  # layer -> (x, xa of the QKV group): the model calls q, k, v with one x
+    shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
 
     def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
             return y
         a_rows, b_rows = lora.rows[module]
         fin, fout = cfg.module_shape(module)
-        group = [m for m in QKV if m in lora.rows] \
-            if module in QKV and lora.backend == "pallas" and lora.group_qkv else []
-        if len(group) > 1:
-            pl = pool[layer]
-            rows = pl.reshape(-1, pl.shape[-1])
-            seen = grouped.get(layer)
-            if seen is None or seen[0] is not x:
-                schedule = lora.schedules.get("qkv") if lora.schedules else None
-                seen = grouped[layer] = (x, lora_shrink_group(
-                    x, rows, [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group], lora.seg_starts,
-                    max_rank=lora.max_rank, in_features=fin, schedule=schedule))
-            xa = seen[1]
-            schedule = lora.schedules.get(module) if lora.schedules else None
-            return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
-                               out_features=fout, schedule=schedule,
-                               xa_col=group.index(module) * (xa.shape[1] // len(group)))
-        if lora.backend in ("pallas", "triton"):
-            if lora.backend == "pallas":
-                kernel_apply = lora_apply
-            else:
-                from triton_kernels.lora import lora_apply as kernel_apply  # needs jax-triton
-            pl = pool[layer]
-            schedule = lora.schedules.get(module) if lora.schedules else None
-            return kernel_apply(y, x, pl.reshape(-1, pl.shape[-1]), a_rows, b_rows, lora.ranks[module],
-                                lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout,
-                                schedule=schedule)
-        return y + lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
-                            lora.max_rank, fin, fout).astype(y.dtype)
+        if lora.backend == "xla":
+            return y + lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
+                                lora.max_rank, fin, fout).astype(y.dtype)
+        pl = pool[layer]
+        rows = pl.reshape(-1, pl.shape[-1])
+        schedule = lora.schedules.get(module) if lora.schedules else None
+        if lora.backend == "triton":
+            from triton_kernels.lora import lora_apply as triton_apply  # needs jax-triton
+            return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
+                                max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule)
+        group = (module,)
+        if lora.group_qkv and module in QKV:
+            group = tuple(m for m in QKV if m in lora.rows)
+        seen = shrunk.get(layer)
+        if seen is None or seen[0] is not x or seen[1] != group:
+            group_schedule = lora.schedules.get("qkv" if len(group) > 1 else module) if lora.schedules else None
+            seen = shrunk[layer] = (x, group, lora_shrink_group(
+                x, rows, [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group], lora.seg_starts,
+                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule))
+        xa = seen[2]
+        col = group.index(module) * (xa.shape[1] // len(group))  # this module's columns of xa
+        return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
+                           out_features=fout, schedule=schedule, xa_col=col)
     return apply
 
 
