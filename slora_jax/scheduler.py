@@ -273,7 +273,8 @@ class Scheduler:
         """`complete` for a step that went through `advance`: its PENDING tokens become the
         sampled ones. A request that stops here may already sit in the next step (dispatched):
         that step's token for it is dropped. One preempted meanwhile keeps its token."""
-        finished = self._observe(plan, seconds)
+        self._observe(plan, seconds)
+        finished = []
         results = results.tolist() if hasattr(results, "tolist") else results
         now = self.clock()
         for i, req, idx in plan.pending:
@@ -283,10 +284,9 @@ class Scheduler:
             req.tokens[idx] = token
             self._first_token(req, now)
             self._emit(req, token, float(results[i][1]))
-            if token in req.stops or idx + 1 - req.prompt_len >= req.params.max_tokens:
-                if req.resumed and req not in self.running:
-                    self.waiting.remove(req)  # preempted while this step ran
-                self._finish(req, "stop" if token in req.stops else "length")
+            if req.resumed and req not in self.running and self._ends(req, token, idx + 1 - req.prompt_len):
+                self.waiting.remove(req)  # preempted while this step ran, and done now
+            self._finish_if_done(req, token, idx + 1 - req.prompt_len)
             if req.out.finished:
                 finished.append(req.out)
         self.refresh_gauges()
@@ -295,7 +295,8 @@ class Scheduler:
     def complete(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
         """Bookkeeping after the step: results[i] = (token, logprob) of chunk i (used where the
         chunk ends its request's known tokens); `seconds` feeds the cost model (None: skip)."""
-        finished = self._observe(plan, seconds)
+        self._observe(plan, seconds)
+        finished = []
         now = self.clock()
         results = results.tolist() if hasattr(results, "tolist") else results  # Python floats, once
         for i, (req, start, end) in enumerate(plan.chunks):
@@ -310,8 +311,8 @@ class Scheduler:
         self.refresh_gauges()
         return finished
 
-    def _observe(self, plan: Plan, seconds: float | None) -> list[RequestOutput]:
-        """A completed step's metrics (and the cost model's sample); a fresh finished list."""
+    def _observe(self, plan: Plan, seconds: float | None) -> None:
+        """A completed step's metrics, and the cost model's sample."""
         m = self.metrics
         tokens = sum(end - start for _, start, end in plan.chunks)
         if seconds is not None:
@@ -319,7 +320,6 @@ class Scheduler:
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
-        return []
 
     def _first_token(self, req: Request, now: float) -> None:
         if req.first_token_at is None:
@@ -678,10 +678,16 @@ class Scheduler:
     def _append(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)
         self._emit(req, token, logprob)
-        if token in req.stops:
-            self._finish(req, "stop")
-        elif req.generated >= req.params.max_tokens:
-            self._finish(req, "length")
+        self._finish_if_done(req, token, req.generated)
+
+    @staticmethod
+    def _ends(req: Request, token: int, generated: int) -> bool:
+        return token in req.stops or generated >= req.params.max_tokens
+
+    def _finish_if_done(self, req: Request, token: int, generated: int) -> None:
+        """Finish a request whose `generated`-th token is `token`, if that ends it."""
+        if self._ends(req, token, generated):
+            self._finish(req, "stop" if token in req.stops else "length")
 
     def _emit(self, req: Request, token: int, logprob: float) -> None:
         req.out.token_ids.append(token)
