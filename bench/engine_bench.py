@@ -205,7 +205,8 @@ def main() -> None:
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process); "
                          "a third part /layer turns on EngineOptions.compile_per_layer, /grouped "
-                         "lora_group_qkv (e.g. pallas/pallas/layer/grouped)")
+                         "lora_group_qkv (e.g. pallas/pallas/layer/grouped); without /grouped q, k and "
+                         "v shrink in a launch each, whatever the engine's default")
     ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--memory-fraction", type=float, default=0.7,

@@ -44,6 +44,8 @@ case $group in
     #      (At twice the capacity for 20 s every first token still came within 6 s: admission
     #      grows the batch and decode slows, so nothing separates the policies there.)
     # 15: mixed steps (decode tokens in chunked-prefill steps) at 0.9x capacity, against 7.
+    # (Run order: 1, 2, 2a, 2b, 7-8 and their disk pair, 9-14, 15, then 5-6 and 3-4, which session 5
+    # measured already.)
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
@@ -51,10 +53,6 @@ case $group in
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
       --variant "S2-unified-n1000-R40-overlap:--rate 40 ${short[*]} --engine overlap_steps=true" \
       --variant "S2-base-R40-overlap:--mode base --rate 40 ${short[*]} --engine overlap_steps=true" \
-      --variant "S2-unified-n1000-R40-xla:--rate 40 ${short[*]} --engine lora_backend=xla" \
-      --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
-      --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
-      --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
       --variant "S2-n1000-prefetch-on-0.9:--rate-from $cap:0.9 --warmup-s 5" \
       --variant "S2-n1000-prefetch-off-0.9:--rate-from $cap:0.9 --warmup-s 5 --engine prefetch_adapters=0" \
       --variant "S2-n1000-prefetch-on-0.9-disk:--rate-from $cap:0.9 --warmup-s 5 --engine host_cache_size=16" \
@@ -66,6 +64,10 @@ case $group in
       --variant "S2-n1000-overload-cv8-abort:--rate-from $cap:4 --cv 8 --duration-s 20 --early-abort --max-wall-s 30 ${short[*]}" \
       --variant "S2-n1000-overload-cv8-fcfs:--rate-from $cap:4 --cv 8 --duration-s 20 --no-early-abort --engine admission_order=fcfs --max-wall-s 30 ${short[*]}" \
       --variant "S2-n1000-mixed-steps-0.9:--rate-from $cap:0.9 --warmup-s 5 --engine mixed_steps=true" \
+      --variant "S2-unified-n1000-R40-xla:--rate 40 ${short[*]} --engine lora_backend=xla" \
+      --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
+      --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
+      --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
     ;;
   s4)

@@ -79,8 +79,10 @@ class EngineOptions(SchedulerOptions):
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
     lora_hybrid_slots: int = 32
     # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
-    # Off until the GPU benchmark measures it (its Triton lowering has not run on a GPU yet).
-    lora_group_qkv: bool = False
+    # H200, engine decode step, ctx 512 (bench/results/20261129-ecdfac3): B 64 x 64 adapters
+    # 16.73 -> 16.15 ms, B 256 x 256 38.25 -> 37.31 ms; the profile at B 128 x 110 adapters: LoRA
+    # kernels 256 -> 192 launches a step, 3.78 -> 3.25 ms.
+    lora_group_qkv: bool = True
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
