@@ -85,14 +85,16 @@ case $group in
     # S1 (rank 8) at n = 2000: the offered rate up to where SLO attainment falls below 0.9 (target:
     # >= 25 req/s at >= 0.9), one minute each; the first also the paper's R = 10 point. Session 4:
     # attainment 1.00 at 10, 0.70 at 25, so 15 and 20 come next; the base model at 25 beside it.
-    # Session 5 (hybrid decode LoRA): 1.00 at 20, 0.864 at 25; R25-overlap: overlap_steps there.
+    # Session 5 (hybrid decode LoRA): 1.00 at 20, 0.864 at 25. Session 6: overlap_steps lifted S2's
+    # capacity by ~20%, so R25 and R30 with it run first.
     "${RUN[@]}" --workload "S1$WL" --n 2000 --duration-s 60 --max-wall-s 90 --no-requests --warmup-s 5 \
       --engine min_decode_batch=16 \
+      --variant "S1-unified-n2000-R25-overlap:--rate 25 --engine overlap_steps=true" \
+      --variant "S1-unified-n2000-R30-overlap:--rate 30 --engine overlap_steps=true" \
       --variant "S1-unified-n2000-R10" \
       --variant "S1-unified-n2000-R15:--rate 15" \
       --variant "S1-unified-n2000-R20:--rate 20" \
       --variant "S1-unified-n2000-R25:--rate 25" \
-      --variant "S1-unified-n2000-R25-overlap:--rate 25 --engine overlap_steps=true" \
       --variant "S1-base-R25:--mode base --rate 25" \
       --variant "S1-unified-n2000-R35:--rate 35" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
