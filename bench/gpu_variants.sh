@@ -28,8 +28,8 @@ case $group in
     # 1-2: capacity: n = 1000 and the base model alone offered 40 req/s, well above what either
     #      serves; completed req/s is the capacity (issue 7's >= 0.9x is 1 / 2). Later rates are
     #      set from 1.
-    # 2a-2b: the same two with overlap_steps (step n+1 dispatched before step n's tokens come
-    #      back; its own warm-up: the step inputs gain two arrays).
+    # 2a-2b: the same two without overlap_steps (on by default on a GPU since session 6: step n+1
+    #      is dispatched before step n's tokens come back; its own warm-up: other step inputs).
     # 3-4: the same with decode LoRA through the one-hot path always ("xla", the default before
     #      session 4) and the kernel always ("pallas"); the default is "hybrid" (the kernel past 32
     #      distinct adapters): at S2's mixed ranks the one-hot path gathers every slot at rank 64.
@@ -51,8 +51,8 @@ case $group in
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "$cap:--rate 40 ${short[*]}" \
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
-      --variant "S2-unified-n1000-R40-overlap:--rate 40 ${short[*]} --engine overlap_steps=true" \
-      --variant "S2-base-R40-overlap:--mode base --rate 40 ${short[*]} --engine overlap_steps=true" \
+      --variant "S2-unified-n1000-R40-no-overlap:--rate 40 ${short[*]} --engine overlap_steps=false" \
+      --variant "S2-base-R40-no-overlap:--mode base --rate 40 ${short[*]} --engine overlap_steps=false" \
       --variant "S2-n1000-prefetch-on-0.9:--rate-from $cap:0.9 --warmup-s 5" \
       --variant "S2-n1000-prefetch-off-0.9:--rate-from $cap:0.9 --warmup-s 5 --engine prefetch_adapters=0" \
       --variant "S2-n1000-prefetch-on-0.9-disk:--rate-from $cap:0.9 --warmup-s 5 --engine host_cache_size=16" \
@@ -85,16 +85,15 @@ case $group in
     # S1 (rank 8) at n = 2000: the offered rate up to where SLO attainment falls below 0.9 (target:
     # >= 25 req/s at >= 0.9), one minute each; the first also the paper's R = 10 point. Session 4:
     # attainment 1.00 at 10, 0.70 at 25, so 15 and 20 come next; the base model at 25 beside it.
-    # Session 5 (hybrid decode LoRA): 1.00 at 20, 0.864 at 25. Session 6: overlap_steps lifted S2's
-    # capacity by ~20%, so R25 and R30 with it run first.
+    # Session 5 (hybrid decode LoRA): 1.00 at 20, 0.864 at 25. Session 6, overlap_steps (now the
+    # GPU default): 0.883 at 25.
     "${RUN[@]}" --workload "S1$WL" --n 2000 --duration-s 60 --max-wall-s 90 --no-requests --warmup-s 5 \
       --engine min_decode_batch=16 \
-      --variant "S1-unified-n2000-R25-overlap:--rate 25 --engine overlap_steps=true" \
-      --variant "S1-unified-n2000-R30-overlap:--rate 30 --engine overlap_steps=true" \
+      --variant "S1-unified-n2000-R25:--rate 25" \
+      --variant "S1-unified-n2000-R30:--rate 30" \
+      --variant "S1-unified-n2000-R20:--rate 20" \
       --variant "S1-unified-n2000-R10" \
       --variant "S1-unified-n2000-R15:--rate 15" \
-      --variant "S1-unified-n2000-R20:--rate 20" \
-      --variant "S1-unified-n2000-R25:--rate 25" \
       --variant "S1-base-R25:--mode base --rate 25" \
       --variant "S1-unified-n2000-R35:--rate 35" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"

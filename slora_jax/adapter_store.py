@@ -4,6 +4,8 @@ Registering validates the adapter in full (so a bad one fails at load time and n
 keeps its page layout, and caches its packed rows. Only `host_cache_size` weight files keep their
 rows in host memory; the rest are re-read from disk on demand. The cache is keyed by the weight
 file's identity (path, size, mtime), so one directory registered under many names is read once.
+`stage` starts such a re-read on a worker thread as soon as a request for the adapter arrives, so
+the step loop that admits it later finds the rows cached instead of reading the disk itself.
 Each (re-)registration bumps a version: the pool keys pages by (name, version), so a replaced
 adapter's stale pages are never served.
 """
@@ -11,9 +13,11 @@ adapter's stale pages are never served.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -70,12 +74,18 @@ class AdapterStore:
         self._rows: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self._version = 0
         self.disk_loads = 0
+        # Disk reads started by `stage`, by file: one worker thread, made on first use. The lock
+        # guards the cache, these futures and disk_loads (the worker writes all three).
+        self._lock = threading.Lock()
+        self._staging: dict[tuple, concurrent.futures.Future] = {}
+        self._stager: concurrent.futures.ThreadPoolExecutor | None = None
 
     def register(self, name: str, path: str | os.PathLike) -> AdapterEntry:
         """Validate and register; re-registering a name always reads its files again."""
         fid = _file_id(path)
-        known = next((e for e in self.entries.values()
-                      if e.file_id == fid and e.name != name and fid in self._rows), None)
+        with self._lock:
+            known = next((e for e in self.entries.values()
+                          if e.file_id == fid and e.name != name and fid in self._rows), None)
         if known is not None:
             layout = known.layout
         else:
@@ -97,20 +107,48 @@ class AdapterStore:
         return name in self.entries
 
     def rows(self, entry: AdapterEntry):
-        """Packed rows [L, rows, W] for the adapter version `entry`, from cache or disk."""
-        if entry.file_id in self._rows:
-            self._rows.move_to_end(entry.file_id)
-            return self._rows[entry.file_id]
+        """Packed rows [L, rows, W] for the adapter version `entry`: from the cache, from a read
+        `stage` started (waiting for it), else from disk now."""
+        with self._lock:
+            staged = self._staging.pop(entry.file_id, None)
+            if entry.file_id in self._rows:
+                self._rows.move_to_end(entry.file_id)
+                return self._rows[entry.file_id]
+        if staged is not None:
+            return staged.result()  # its error, if the read failed, is this call's error
+        return self._read(entry)
+
+    def stage(self, entry: AdapterEntry) -> bool:
+        """Start reading `entry`'s rows from disk on the store's worker thread unless they are
+        cached or already on their way; True if a read started. Called when a request for a
+        non-resident adapter arrives: by its admission the rows are (usually) in host memory."""
+        with self._lock:
+            # Finished reads are dropped: their rows are cached (or were evicted, and `rows`
+            # reads again), and a failed one fails again where `rows` reads.
+            for k in [k for k, f in self._staging.items() if f.done()]:
+                del self._staging[k]
+            fid = entry.file_id
+            if fid in self._rows or fid in self._staging:
+                return False
+            if self._stager is None:
+                self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slora-adapter-stage")
+            self._staging[fid] = self._stager.submit(self._read, entry)
+            return True
+
+    def _read(self, entry: AdapterEntry):
         adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
         if AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank) != entry.layout:
             raise RuntimeError(f"adapter {entry.name!r} changed on disk since it was registered; "
                                "register it again")
-        self.disk_loads += 1
-        return self._cache(entry.file_id, pack_adapter(adapter, entry.layout, self.cfg, self.dtype))
+        rows = pack_adapter(adapter, entry.layout, self.cfg, self.dtype)
+        with self._lock:
+            self.disk_loads += 1
+        return self._cache(entry.file_id, rows)
 
     def _cache(self, key, rows: np.ndarray):
         staged = _pinned_host(rows)
-        self._rows[key] = staged
-        while len(self._rows) > self.host_cache_size:
-            self._rows.popitem(last=False)
+        with self._lock:
+            self._rows[key] = staged
+            while len(self._rows) > self.host_cache_size:
+                self._rows.popitem(last=False)
         return staged

@@ -89,8 +89,11 @@ class EngineOptions(SchedulerOptions):
     # Dispatch each step before waiting for the one before it: scheduling and input building
     # then run while the device computes. Tokens the host has not seen yet are read from the
     # previous step's results on the device; a request that stops on a stop token may sit in one
-    # more step, whose token for it is dropped. Off until the GPU benchmark shows it helps.
-    overlap_steps: bool = False
+    # more step, whose token for it is dropped. None: on for a GPU, off on a CPU (where host work
+    # and XLA's CPU compute share the cores). H200, S2 n = 1000 at 40 req/s offered, one process
+    # (bench/results/20261129-3db7756): served 14.5 -> 17.9 req/s with adapters, 21.0 -> 25.0 for
+    # the base model; the host's wait for a step's tokens fell from 9.9 to 1.7 ms a step.
+    overlap_steps: bool | None = None
     host_cache_size: int = 256
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
@@ -116,6 +119,8 @@ class EngineOptions(SchedulerOptions):
             self.lora_backend = auto_lora
         if self.attention_backend == "auto":
             self.attention_backend = auto_attention
+        if self.overlap_steps is None:
+            self.overlap_steps = jax.default_backend() != "cpu"
         if self.attention_backend == "triton":
             raise ValueError("attention_backend='triton' is not available (no Triton attention "
                              "kernel); use 'pallas' or 'xla'")
@@ -268,6 +273,8 @@ class Engine:
             raise ValueError(f"request needs {kv + ad} pages (prompt {len(prompt)} + max_tokens "
                              f"{params.max_tokens}{' + adapter' if entry else ''}) but the pool has "
                              f"{room}; it can never run")
+        if entry is not None and self.opts.prefetch_adapters and not self.pool.is_resident(entry.key):
+            self.store.stage(entry)  # a cold adapter's disk read starts now, off the step loop
         rid = new_request_id()
         out = RequestOutput(rid, list(prompt), logprobs=[] if params.logprobs else None, adapter=adapter)
         self.sched.add(Request(rid, list(prompt), len(prompt), params, seed, entry, out,

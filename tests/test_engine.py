@@ -235,6 +235,34 @@ def test_host_cache_miss_rereads_adapter_from_disk(paths, ref):
     assert_drained(engine)
 
 
+@pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
+def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, prefetch):
+    """A request for an adapter whose rows left the host cache starts the disk read when it
+    arrives, on the store's worker thread; the step that admits it finds the rows cached. With
+    prefetch off the step loop reads the disk itself. Outputs equal the reference either way."""
+    import threading
+    from slora_jax import adapter_store
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1, prefetch_adapters=prefetch)
+    threads = []
+    real = adapter_store.load_peft_adapter
+
+    def load(*a, **k):
+        threads.append(threading.current_thread().name)
+        return real(*a, **k)
+    monkeypatch.setattr(adapter_store, "load_peft_adapter", load)
+    store = engine.store
+    assert store.get("d").file_id in store._rows and store.get("a").file_id not in store._rows
+    outs = engine.generate([W_PROMPTS[0]], SP, adapter="a")
+    assert_same(outs, [ref["old"][0]])
+    assert engine.stats()["adapter_disk_loads"] == 1
+    if prefetch:
+        assert len(threads) == 1 and threads[0].startswith("slora-adapter-stage"), threads
+    else:
+        assert threads == [threading.main_thread().name], threads
+    assert not store._staging or all(f.done() for f in store._staging.values())
+    assert_drained(engine)
+
+
 def test_reregistered_adapter_serves_new_weights(paths, ref):
     engine = make_llm(paths, page_size=16, pool_pages=BIG)
     outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
