@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +72,21 @@ def device_events(trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and on_device(e)]
 
 
+def busy_span(events: list[dict]) -> tuple[float, float]:
+    """(union of the events' intervals, last end - first start), in microseconds."""
+    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events if "ts" in e)
+    if not iv:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, iv[0]
+    for a, b in iv[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    return busy, max(b for _, b in iv) - iv[0][0]
+
+
 def summarize(events: list[dict], steps: int, top: int) -> dict:
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(lambda: [0, 0.0])
@@ -83,8 +99,12 @@ def summarize(events: list[dict], steps: int, top: int) -> dict:
         by_kind[kind_of(name)][1] += dur
     total = sum(v[1] for v in by_kind.values())
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    busy, span = busy_span(events)
     return {
         "device_us_per_step": total / steps, "kernels_per_step": sum(v[0] for v in by_kind.values()) / steps,
+        # The traced window from the first kernel's start to the last one's end, and the part of it
+        # in which some kernel ran: busy < span means the device waited (on the host's launches).
+        "span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
         "by_kind": {k: {"per_step": n / steps, "us_per_step": us / steps, "share": us / total if total else 0.0}
                     for k, (n, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "top": [{"name": n[:160], "per_step": c / steps, "us_per_step": us / steps} for n, (c, us) in names],
@@ -123,22 +143,34 @@ def main() -> None:
         set_backends(llm, pair)
         reqs, inp = decode_batch(llm, args.batch, args.context, names)
         eng = llm.engine
+        per_layer = eng.opts.compile_per_layer
         try:
             for _ in range(2):  # compile and warm up outside the trace
-                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
             res.block_until_ready()
+            # Untraced: wall time a step, and how long the host takes to dispatch one (the calls
+            # return before the device is done, up to the client's cap on queued executions).
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+            t1 = time.perf_counter()
+            res.block_until_ready()
+            t2 = time.perf_counter()
             trace_dir = tempfile.mkdtemp(prefix="slora-trace-")
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 for _ in range(args.steps):
-                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
                 res.block_until_ready()
         finally:
             for r in reqs:
                 eng._release(r)
         s = summarize(device_events(trace_dir), args.steps, args.top)
+        s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
         result["runs"].append({"backends": pair, **s})
         print(f"{pair}: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
-              f"{s['kernels_per_step']:.0f} kernels per step", flush=True)
+              f"{s['kernels_per_step']:.0f} kernels per step; untraced wall {s['wall_us_per_step'] / 1e3:.2f} ms "
+              f"(dispatch {s['dispatch_us_per_step'] / 1e3:.2f}); traced span {s['span_us_per_step'] / 1e3:.2f} ms, "
+              f"busy {s['busy_us_per_step'] / 1e3:.2f}", flush=True)
         for k, v in s["by_kind"].items():
             print(f"  {k:18s} {v['per_step']:7.0f} kernels {v['us_per_step'] / 1e3:8.3f} ms  {v['share']:5.1%}")
         for t in s["top"][:10]:
