@@ -77,15 +77,19 @@ def randomize_pool(llm: LLM) -> None:
 
 
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
-    """"lora/attention", then optional parts: "/layer" for EngineOptions.compile_per_layer,
+    """"lora/attention", then optional parts: "/layer" for EngineOptions.compile_per_layer
+    ("/layerK": K decoder layers a jit, layers_per_call),
     "/grouped" for lora_group_qkv=True (q, k, v shrink in one launch)."""
     lora, attn, *rest = pair.split("/")
-    if not set(rest) <= {"layer", "grouped"}:
-        raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer, grouped")
+    layers = [p for p in rest if p.startswith("layer")]
+    if not set(rest) - set(layers) <= {"grouped"} or len(layers) > 1 or \
+            (layers and not (layers[0] == "layer" or layers[0][5:].isdigit())):
+        raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer (or layerK), grouped")
     eng = llm.engine
     eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
     eng.opts.prefill_lora_backend = "pallas" if lora == "hybrid" else lora
-    eng.opts.compile_per_layer = "layer" in rest
+    eng.opts.compile_per_layer = bool(layers)
+    eng.opts.layers_per_call = int(layers[0][5:] or 1) if layers else 1
     eng.opts.lora_group_qkv = "grouped" in rest
     eng._decode_pages = eng.decode_page_floor()
     return lora, attn
@@ -130,7 +134,7 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
                       f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
                       f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
             _ANALYZED.add(bool(adapters))
-        per_layer = eng.opts.compile_per_layer
+        per_layer = eng.layers_per_call
         t = time.perf_counter()
         eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
         res.block_until_ready()
@@ -204,7 +208,7 @@ def main() -> None:
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process); "
-                         "a third part /layer turns on EngineOptions.compile_per_layer, /grouped "
+                         "a third part /layer turns on EngineOptions.compile_per_layer (/layer8: 8 layers a jit), /grouped "
                          "lora_group_qkv (e.g. pallas/pallas/layer/grouped); without /grouped q, k and "
                          "v shrink in a launch each, whatever the engine's default")
     ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")

@@ -36,14 +36,31 @@ def load(paths: list[str]) -> list[dict]:
     return runs
 
 
+# Engine options every run of a results folder sets the same way (bench/gpu_variants.sh): left out
+# of the labels. Anything else a run changed from its workload's [engine] table names its setup.
+_COMMON = {"pool_pages", "compile_per_layer", "min_decode_batch"}
+
+
+def _setup(run: dict) -> str:
+    """Commit, early abort off (the configs turn it on), and the engine options a run changed from
+    its workload's: runs that differ in any of these are different systems, never one line."""
+    w = run["workload"]
+    table = w.get("engine", {})
+    opts = [f"{k}={v}" for k, v in sorted(run.get("engine_options", {}).items())
+            if k not in _COMMON and table.get(k, object()) != v]
+    if not w.get("early_abort", True):
+        opts.append("no early abort")
+    return " ".join([str(run.get("commit", "?"))[:7], *opts])
+
+
 def _key(run: dict, free: str) -> tuple:
     w = run["workload"]
-    return (w["name"], run["mode"], w["model"], *(w[k] for k in SWEPT if k != free))
+    return (w["name"], run["mode"], w["model"], _setup(run), *(w[k] for k in SWEPT if k != free))
 
 
 def _label(key: tuple, free: str) -> str:
     rest = [k for k in SWEPT if k != free]
-    return f"{key[0]} {key[1]} " + " ".join(f"{k}={v}" for k, v in zip(rest, key[3:]))
+    return f"{key[0]} {key[1]} " + " ".join(f"{k}={v}" for k, v in zip(rest, key[4:])) + f" [{key[3]}]"
 
 
 def sweeps(runs: list[dict], free: str) -> dict[tuple, list[dict]]:
@@ -116,7 +133,7 @@ def plot_ttft_cdf(runs, out_dir: Path, max_lines: int = 12) -> list[Path]:
             w = r["workload"]
             # y counts every request, so the curve tops out at the share that ever got a token
             ax.step(ttft, np.arange(1, len(ttft) + 1) / len(r["requests"]), where="post",
-                    label=f"{r['mode']} n={w['n']} R={w['rate']} a={w['alpha']} cv={w['cv']}")
+                    label=f"{r['mode']} n={w['n']} R={w['rate']} a={w['alpha']} cv={w['cv']} [{_setup(r)}]")
         ax.axvline(slo, color="gray", ls="--", lw=1)
         _log_x(ax)
         ax.set_xlabel("time to first token (s)")

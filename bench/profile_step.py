@@ -143,7 +143,7 @@ def main() -> None:
         set_backends(llm, pair)
         reqs, inp = decode_batch(llm, args.batch, args.context, names)
         eng = llm.engine
-        per_layer = eng.opts.compile_per_layer
+        per_layer = eng.layers_per_call
         try:
             for _ in range(2):  # compile and warm up outside the trace
                 eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)

@@ -86,6 +86,12 @@ class EngineOptions(SchedulerOptions):
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
+    # With compile_per_layer: decoder layers one jit runs. The client queues at most 32
+    # computations ahead of the device, and at 1 a step is 34 of them (embed, 32 layers, head):
+    # the host can then not get a step ahead. k layers a call: 32/k + 2 dispatches a step, one
+    # k-layer executable to compile per step shape. Not yet measured on a GPU; 1 keeps the
+    # measured behaviour.
+    layers_per_call: int = 1
     # Dispatch each step before waiting for the one before it: scheduling and input building
     # then run while the device computes. Tokens the host has not seen yet are read from the
     # previous step's results on the device; a request that stops on a stop token may sit in one
@@ -119,6 +125,8 @@ class EngineOptions(SchedulerOptions):
             self.lora_backend = auto_lora
         if self.attention_backend == "auto":
             self.attention_backend = auto_attention
+        if self.layers_per_call < 1:
+            raise ValueError(f"layers_per_call must be >= 1, got {self.layers_per_call}")
         if self.overlap_steps is None:
             self.overlap_steps = jax.default_backend() != "cpu"
         if self.attention_backend == "triton":
@@ -257,6 +265,11 @@ class Engine:
     @property
     def num_preempted(self) -> int:
         return self.sched.num_preempted
+
+    @property
+    def layers_per_call(self) -> int:
+        """Decoder layers one jit runs (paged.step's per_layer); 0: one jit over the whole model."""
+        return self.opts.layers_per_call if self.opts.compile_per_layer else 0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -421,7 +434,7 @@ class Engine:
         first_run = shape not in self._shapes
         self._shapes.add(shape)
         t = time.perf_counter()
-        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.opts.compile_per_layer)
+        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.layers_per_call)
         return results, first_run, t
 
     def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:
@@ -572,7 +585,7 @@ class Engine:
             slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
             return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
 
-        per_layer = self.opts.compile_per_layer
+        per_layer = self.layers_per_call
         bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
         if not per_layer:  # per layer, the first run compiles (small jits) in the loop below
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:

@@ -320,12 +320,16 @@ def embed_step(embed_tokens, inp: StepInputs, *, cfg: ModelConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def layer_step(layer_params, pool_layer, x, cos, sin, inp: StepInputs, *, cfg: ModelConfig):
-    """One decoder layer over its own pool array (read only): (x, this layer's new (k, v))."""
-    pool = [pool_layer]  # the layer is "layer 0" of a one-layer pool for the callbacks
-    lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
-    x, (_, new) = model.decoder_layer(cfg, layer_params, 0, x, cos, sin, paged_attend(inp), (pool, ()), lora)
-    return x, new[0]
+def layer_step(layers_params: tuple, pool_layers: tuple, x, cos, sin, inp: StepInputs, *, cfg: ModelConfig):
+    """A run of consecutive decoder layers, each over its own pool array (read only): (x, their
+    new (k, v) in order). Every run of the same length shares one executable."""
+    news = []
+    for layer_params, pool_layer in zip(layers_params, pool_layers):
+        pool = [pool_layer]  # each layer is "layer 0" of a one-layer pool for the callbacks
+        lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
+        x, (_, new) = model.decoder_layer(cfg, layer_params, 0, x, cos, sin, paged_attend(inp), (pool, ()), lora)
+        news.append(new[0])
+    return x, tuple(news)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -334,23 +338,28 @@ def head_step(head, x, inp: StepInputs, *, cfg: ModelConfig):
     return _pad_results(_sample_rows(head, cfg, h, inp), inp)
 
 
-def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig):
-    """forward_sample's result through embed_step, layer_step per layer and head_step."""
+def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig, layers_per_call: int = 1):
+    """forward_sample's result through embed_step, layer_step over each run of layers_per_call
+    layers (the last run may be shorter) and head_step."""
     inp = jax.device_put(inp, pool[0].sharding)  # once (not per layer), on the pool's device
     x, cos, sin = embed_step(params["embed_tokens"], inp, cfg=cfg)
     new_kv = []
-    for layer_params, pool_layer in zip(params["layers"], pool):
-        x, kv = layer_step(layer_params, pool_layer, x, cos, sin, inp, cfg=cfg)
-        new_kv.append(kv)
+    layers, k = params["layers"], max(1, int(layers_per_call))
+    for i in range(0, len(layers), k):
+        x, kv = layer_step(tuple(layers[i:i + k]), tuple(pool[i:i + k]), x, cos, sin, inp, cfg=cfg)
+        new_kv.extend(kv)
     head = {k: params[k] for k in ("norm", "embed_tokens", "lm_head") if k in params}
     return tuple(new_kv), head_step(head, x, inp, cfg=cfg)
 
 
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: bool = False):
-    """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer:
-    through forward_sample_per_layer (see EngineOptions.compile_per_layer)."""
-    forward = forward_sample_per_layer if per_layer else forward_sample
-    new_kv, results = forward(params, pool, inp, cfg=cfg)
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):
+    """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer = k
+    >= 1 (True: 1): through forward_sample_per_layer, k decoder layers a jit (see
+    EngineOptions.compile_per_layer and layers_per_call); 0: one jit over the unrolled model."""
+    if per_layer:
+        new_kv, results = forward_sample_per_layer(params, pool, inp, cfg=cfg, layers_per_call=int(per_layer))
+    else:
+        new_kv, results = forward_sample(params, pool, inp, cfg=cfg)
     return commit_kv(pool, new_kv, inp.kv_slot), results
 
 

@@ -721,6 +721,33 @@ def test_compile_per_layer_matches_reference_and_compiles_one_layer(paths, ref, 
     assert_drained(engine)
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_layers_per_call_matches_reference(paths, ref, monkeypatch, k):
+    """compile_per_layer with k decoder layers a jit: the reference's outputs; a step runs the
+    tiny model's 3 layers as runs of k (the last one shorter), one call per run, and compiles at
+    most one executable per run length and step shape (never one per layer)."""
+    from slora_jax import paged
+    runs, real = [], paged.layer_step
+
+    def spy(layers_params, *a, **kw):
+        runs.append(len(layers_params))
+        return real(layers_params, *a, **kw)
+    monkeypatch.setattr(paged, "layer_step", spy)
+    before = real._cache_size()
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, compile_per_layer=True, layers_per_call=k)
+    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
+    expect = [min(k, CFG.num_hidden_layers - i) for i in range(0, CFG.num_hidden_layers, k)]
+    assert runs and len(runs) % len(expect) == 0 and runs == expect * (len(runs) // len(expect)), runs
+    shapes = len(engine.engine._shapes)
+    assert 2 <= shapes and real._cache_size() - before <= shapes * len(set(expect))
+    assert_drained(engine)
+
+
+def test_layers_per_call_must_be_positive():
+    with pytest.raises(ValueError, match="layers_per_call"):
+        LLM("tiny", dtype="float32", compile_per_layer=True, layers_per_call=0)
+
+
 def test_batches_of_adapters_with_other_targets_share_a_module_set(paths, ref, monkeypatch):
     """A batch carries the smallest of the registered adapters' module sets (attention, or all)
     that holds its adapters' modules, so "b" (q, v) alone and "d" (k, o) alone run the same
