@@ -78,7 +78,12 @@ if has profile; then
     --adapters "${PROFILE_ADAPTERS:-32}" --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step.json" \
     > "$OUT/profile_step.log" 2>&1
   echo "profile_step rc=$?"
-  grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -45
+  # The GPU client's command-buffer (CUDA graph) flags and their defaults, beside the profile:
+  # whether a step's kernels go out as graphs or one launch at a time.
+  { echo "== XLA GPU flags (command buffers, graphs)"
+    XLA_FLAGS=--help timeout 60 python3 -c 'import jax; jax.numpy.zeros(1).block_until_ready()' 2>&1 \
+      | grep -iE "command_buffer|graph" ; } >> "$OUT/profile_step.log"
+  grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -60
 fi
 xla_cache_save
 exit $rc
