@@ -412,7 +412,8 @@ def table(result: dict) -> str:
                  ("pool share of adapters mean / max",
                   f"{p['adapter_pool_share_mean']:.3f} / {p['adapter_pool_share_max']:.3f}"),
                  ("steps / evictions / preempted", f"{p['steps']} / {p['evictions']} / {p['preempted']}"),
-                 ("compiles during run (s)", f"{p['compiles']} ({p['compile_s']:.1f})")]
+                 ("compiles during run (s)", f"{p['compiles']} ({p['compile_s']:.1f})"),
+                 ("adapter reads from disk", p.get("adapter_disk_loads", "-"))]
         k = p.get("steps_by_kind")
         if k:
             ms = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
