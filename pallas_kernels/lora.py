@@ -64,9 +64,14 @@ from jax.experimental.pallas import triton as plgpu
 # split_k=4 from the H200 sweep (bench/results/20261129-46a45b4/sweep.jsonl, qkvo, decode):
 # 64 tokens x 32 adapters 55.0 -> 43.6 us, 256 x 32 54.0 -> 31.7, 256 x 256 127.2 -> 122.9
 # (split_k=16 was slower than 4 in all three). Prefill-sized calls were not timed with it.
+# static_split (shrink, split_k > 1): each program's chunk loop has a static trip count when
+# split_k divides the chunks (Triton can then pipeline its loads; the traced bounds it replaces
+# may not be). y_first (expand): load the y tile before the rank loop, so its latency overlaps
+# the B gathers instead of following them. Both off until the H200 sweep times them.
 BLOCKS = {
-    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256),
-    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
+                   static_split=False),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=False),
 }
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
 MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this loop inside a program
@@ -99,7 +104,7 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
-                   slots, tiles, module_cols):
+                   slots, tiles, module_cols, static_split=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -130,12 +135,14 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
 
+            zero = jnp.zeros((block_t, rank_tile), jnp.float32)
             if split_k == 1:  # static bounds: the loop the kernel had before split_k
-                lo, hi = 0, n_chunks
+                acc = jax.lax.fori_loop(0, n_chunks, chunk, zero)
+            elif static_split and n_chunks % split_k == 0:  # static trip count, traced offset
+                acc = jax.lax.fori_loop(0, per_split, lambda c, a: chunk(q * per_split + c, a), zero)
             else:
                 lo = q * per_split
-                hi = jnp.minimum(lo + per_split, n_chunks)
-            acc = jax.lax.fori_loop(lo, hi, chunk, jnp.zeros((block_t, rank_tile), jnp.float32))
+                acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_chunks), chunk, zero)
             cols = pl.ds(g * module_cols + k * rank_tile, rank_tile)
             tile = xa_ref.at[pl.ds(start, block_t), cols]
             mask = tok_live[:, None] & j_live[None, :]
@@ -151,7 +158,7 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
 
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col):
+                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, y_first=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
     col = o * col_tile
@@ -172,11 +179,14 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
             return acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())),
                                              preferred_element_type=jnp.float32)
 
+        tile = (pl.ds(start, block_t), pl.ds(col, col_tile))
+        if y_first:
+            y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         trips = jax.lax.div(r + rank_tile - 1, rank_tile)
         acc = jax.lax.fori_loop(0, trips, rank_tile_step,
                                 jnp.zeros((block_t, col_tile), jnp.float32))
-        tile = (pl.ds(start, block_t), pl.ds(col, col_tile))
-        y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
+        if not y_first:
+            y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
 
@@ -282,7 +292,7 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
-        slots=slots, tiles=tiles, module_cols=module_cols)
+        slots=slots, tiles=tiles, module_cols=module_cols, static_split=blocks.get("static_split", False))
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
@@ -307,7 +317,8 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
                                                        schedule)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
-        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col)
+        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col,
+        y_first=blocks.get("y_first", False))
     return pl.pallas_call(
         kernel,
         grid=(n_programs, out_features // col_tile),

@@ -312,6 +312,29 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
         jax.clear_caches()
 
 
+@pytest.mark.parametrize("blocks", [
+    {"shrink": {"split_k": 2, "static_split": True}},   # 4 chunks, 2 a split: the static loop
+    {"shrink": {"split_k": 3, "static_split": True}},   # 3 does not divide 4: the traced loop
+    {"expand": {"y_first": True}},
+], ids=["static_split", "static_split_uneven", "y_first"])
+def test_block_variants_match_dense(monkeypatch, blocks):
+    """The kernel variants the GPU sweep times (BLOCKS options, off by default) compute the same
+    delta as the dense product, and leave base tokens' y as it was."""
+    case = dataclasses.replace(CASES["mixed"], fin=128)  # four 32-column chunks
+    for kind, over in blocks.items():
+        monkeypatch.setitem(lora.BLOCKS, kind, {**lora.BLOCKS[kind], **over})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed=seed_of("variant", str(blocks)))
+        got = lora.lora_delta(*delta_args(arr), max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                              interpret=True)
+        assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)) < TOL[jnp.float32]
+        base = owner_rank(seg, ranks) == 0
+        assert base.any() and not np.asarray(got)[base].any()
+    finally:
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_grouped_apply_matches_each_module(monkeypatch, split_k):
     """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
