@@ -62,7 +62,7 @@ fi
 if has sweep; then
   # LoRA kernel block settings (issue 4's bandwidth target), one kernels.py run each on the
   # decode shapes, H->H module; one JSON line per setting in sweep.jsonl. SWEEP_BLOCKS: the list.
-  sweep_blocks=${SWEEP_BLOCKS:-'{} {"shrink":{"static_split":true}} {"expand":{"y_first":true}} {"expand":{"col_tile":512}} {"expand":{"col_tile":512,"y_first":true}} {"shrink":{"static_split":true,"num_warps":8}}'}
+  sweep_blocks=${SWEEP_BLOCKS:-'{} {"shrink":{"static_split":true}} {"expand":{"y_first":true}} {"expand":{"col_tile":512}} {"expand":{"col_tile":512,"y_first":true}} {"shrink":{"rank_tile":64}} {"shrink":{"rank_tile":32,"static_split":true}}'}
   : > "$OUT/sweep.jsonl"
   for cfg in $sweep_blocks; do
     timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64,256 \

@@ -316,7 +316,8 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"split_k": 2, "static_split": True}},   # 4 chunks, 2 a split: the static loop
     {"shrink": {"split_k": 3, "static_split": True}},   # 3 does not divide 4: the traced loop
     {"expand": {"y_first": True}},
-], ids=["static_split", "static_split_uneven", "y_first"])
+    {"shrink": {"rank_tile": 32, "split_k": 2, "static_split": True}, "expand": {"rank_tile": 32}},
+], ids=["static_split", "static_split_uneven", "y_first", "rank_tile_32"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options, off by default) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
