@@ -117,7 +117,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--adapters", type=int, default=32, help="distinct adapters in the batch (0: base only)")
+    ap.add_argument("--adapters", default="32",
+                    help="comma list: distinct adapters in the batch, each profiled (0: base only)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -125,23 +126,24 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    counts = [int(n) for n in str(args.adapters).split(",")]
 
     llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=max(args.batch, 1),
               max_lora_rank=args.rank, memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     names = []
-    for i in range(args.adapters):
+    for i in range(max(counts)):
         path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
                                    targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
         llm.load_adapter(f"lora-{i}", path)
         names.append(f"lora-{i}")
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
-              "batch": args.batch, "context": args.context, "adapters": args.adapters, "runs": []}
-    for pair in args.backends.split(","):
+              "batch": args.batch, "context": args.context, "adapters": counts, "runs": []}
+    for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
-        reqs, inp = decode_batch(llm, args.batch, args.context, names)
+        reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
         eng = llm.engine
         per_layer = eng.layers_per_call
         try:
@@ -166,8 +168,8 @@ def main() -> None:
                 eng._release(r)
         s = summarize(device_events(trace_dir), args.steps, args.top)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
-        result["runs"].append({"backends": pair, **s})
-        print(f"{pair}: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
+        result["runs"].append({"backends": pair, "adapters": n, **s})
+        print(f"{pair}, {n} adapters: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
               f"{s['kernels_per_step']:.0f} kernels per step; untraced wall {s['wall_us_per_step'] / 1e3:.2f} ms "
               f"(dispatch {s['dispatch_us_per_step'] / 1e3:.2f}); traced span {s['span_us_per_step'] / 1e3:.2f} ms, "
               f"busy {s['busy_us_per_step'] / 1e3:.2f}", flush=True)
