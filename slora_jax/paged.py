@@ -348,8 +348,23 @@ def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig,
     for i in range(0, len(layers), k):
         x, kv = layer_step(tuple(layers[i:i + k]), tuple(pool[i:i + k]), x, cos, sin, inp, cfg=cfg)
         new_kv.extend(kv)
-    head = {k: params[k] for k in ("norm", "embed_tokens", "lm_head") if k in params}
-    return tuple(new_kv), head_step(head, x, inp, cfg=cfg)
+    return tuple(new_kv), head_step(_head(params), x, inp, cfg=cfg)
+
+
+def _head(params) -> dict:
+    return {k: params[k] for k in ("norm", "embed_tokens", "lm_head") if k in params}
+
+
+def compile_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig, layers_per_call: int = 1) -> None:
+    """Compile forward_sample_per_layer's jits for inp's shapes without running a decoder layer (a
+    warm-up thread's work). embed_step runs, so the layers are lowered with the very arrays (and
+    placements) a step passes them, and the step's own calls then find them compiled."""
+    inp = jax.device_put(inp, pool[0].sharding)
+    x, cos, sin = embed_step(params["embed_tokens"], inp, cfg=cfg)
+    layers, k = params["layers"], max(1, int(layers_per_call))
+    for n in sorted({min(k, len(layers) - i) for i in range(0, len(layers), k)}):
+        layer_step.lower(tuple(layers[:n]), tuple(pool[:n]), x, cos, sin, inp, cfg=cfg).compile()
+    head_step.lower(_head(params), x, inp, cfg=cfg).compile()
 
 
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):

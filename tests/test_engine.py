@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -741,6 +742,41 @@ def test_layers_per_call_matches_reference(paths, ref, monkeypatch, k):
     shapes = len(engine.engine._shapes)
     assert 2 <= shapes and real._cache_size() - before <= shapes * len(set(expect))
     assert_drained(engine)
+
+
+def test_per_layer_warmup_compiles_in_its_threads(paths, monkeypatch, caplog):
+    """compile_per_layer warm-up with 2 threads: embed, layer and head compile in the threads
+    (paged.compile_per_layer); the steps it runs afterwards compile only commit_kv."""
+    import logging
+    from slora_jax import paged
+    phase, real = ["threads"], paged.step
+
+    def step(*a, **kw):
+        phase[0] = "steps"
+        return real(*a, **kw)
+    monkeypatch.setattr(paged, "step", step)
+    # A pool size of its own: new layer shapes, so nothing comes from other tests' compiles.
+    eng = make_llm(paths, names=(), page_size=16, pool_pages=BIG + 3, compile_per_layer=True, layers_per_call=2,
+                   compilation_cache_dir=None)
+    seen = []
+
+    class Record(logging.Handler):
+        def emit(self, r):
+            m = r.getMessage()
+            if m.startswith("Finished XLA compilation of jit("):
+                seen.append((phase[0], m.split("jit(")[1].split(")")[0]))
+    handler = Record(level=logging.WARNING)
+    logging.getLogger("jax").addHandler(handler)
+    was = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)  # globally: the compile threads must see it
+    try:
+        n = eng.engine.warmup(max_context=16, progress=False, lora=False, workers=2)
+    finally:
+        jax.config.update("jax_log_compiles", was)
+        logging.getLogger("jax").removeHandler(handler)
+    in_threads = {f for p, f in seen if p == "threads"}
+    assert n > 0 and {"embed_step", "layer_step", "head_step"} <= in_threads, seen
+    assert {f for p, f in seen if p == "steps"} <= {"commit_kv"}, seen
 
 
 def test_layers_per_call_must_be_positive():
