@@ -135,6 +135,13 @@ class AdapterStore:
             self._staging[fid] = self._stager.submit(self._read, entry)
             return True
 
+    def ready(self, entry: AdapterEntry) -> bool:
+        """False while a read `stage` started for entry's file is still running: paging it in now
+        would wait for the disk."""
+        with self._lock:
+            staged = self._staging.get(entry.file_id)
+            return entry.file_id in self._rows or staged is None or staged.done()
+
     def _read(self, entry: AdapterEntry):
         adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
         if AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank) != entry.layout:

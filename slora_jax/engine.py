@@ -203,7 +203,7 @@ class Engine:
         self.clock = clock
         self.metrics = EngineMetrics()
         self.sched = Scheduler(self.pool, opts, self.ps, store.entries.get, clock=clock,
-                               cost=StepCostModel(), metrics=self.metrics)
+                               cost=StepCostModel(), metrics=self.metrics, ready=store.ready)
         self.step_count = 0
         # Seconds of the steps' wall time by phase: the host's (schedule, adapter page-ins, input
         # building, dispatch, prefetch, completion) run while the device idles, except prefetch

@@ -187,8 +187,12 @@ class _Prefetched:
 class Scheduler:
     def __init__(self, pool: UnifiedPool, opts: SchedulerOptions, page_size: int,
                  resolve: Callable[[str], object | None], *, clock: Callable[[], float] = time.monotonic,
-                 cost: StepCostModel | None = None, metrics: EngineMetrics | None = None):
+                 cost: StepCostModel | None = None, metrics: EngineMetrics | None = None,
+                 ready: Callable[[object], bool] | None = None):
         self.pool, self.opts, self.ps, self.resolve, self.clock = pool, opts, page_size, resolve, clock
+        # ready(entry): False while the adapter's weights are still being read from disk (the
+        # engine's AdapterStore.ready); such a request waits while others are served.
+        self.ready = ready or (lambda entry: True)
         self.cost = cost or StepCostModel()
         self.metrics = metrics or EngineMetrics()
         self.waiting: collections.deque[Request] = collections.deque()
@@ -437,6 +441,8 @@ class Scheduler:
                     gone.append(req)
                 continue
             key = entry.key if entry is not None else None
+            if key is not None and (staying or out) and not pool.is_resident(key) and not self.ready(entry):
+                continue  # its disk read is still running: the step goes on without it
             if key is not None and key not in batch and len(batch) >= o.max_adapters_per_batch:
                 if urgent:
                     break  # the batch drains until this request's adapter fits

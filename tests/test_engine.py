@@ -264,6 +264,38 @@ def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, 
     assert_drained(engine)
 
 
+def test_cold_adapter_read_does_not_stall_running_requests(paths, ref, monkeypatch):
+    """While a cold adapter's staged disk read is still running, the requests already running
+    keep stepping; its request waits, is admitted once the read is done, and every output is the
+    reference's."""
+    import threading
+    from slora_jax import adapter_store
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, ignore_eos=True)
+    eng = engine.engine
+    running = eng.add_request(W_PROMPTS[1], sp, "b", 0, CFG.eos_token_ids)
+    eng.step()  # its prefill (nothing else runs: it waits for b's read): "b" is resident now
+    release, real = threading.Event(), adapter_store.load_peft_adapter
+
+    def slow_load(*a, **k):
+        assert release.wait(30), "the test never released the read"
+        return real(*a, **k)
+    monkeypatch.setattr(adapter_store, "load_peft_adapter", slow_load)
+    assert engine.store.get("a").file_id not in engine.store._rows  # host cache of 1: "d" holds it
+    cold = eng.add_request(W_PROMPTS[0], sp, "a", 0, CFG.eos_token_ids)  # "a" left the host cache
+    assert not engine.store.ready(engine.store.get("a"))
+    before = len(running.token_ids)
+    for _ in range(3):
+        eng.step()  # "b" decodes; "a" waits for its read
+    assert len(running.token_ids) == before + 3 and cold.token_ids == []
+    release.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert_same([running, cold], [ref["old"][1], ref["old"][0]])
+    assert engine.stats()["adapter_disk_loads"] == 2  # b's and a's: the host cache holds one file
+    assert_drained(engine)
+
+
 def test_reregistered_adapter_serves_new_weights(paths, ref):
     engine = make_llm(paths, page_size=16, pool_pages=BIG)
     outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
