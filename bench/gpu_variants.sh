@@ -76,11 +76,15 @@ case $group in
     # prefetch had nothing to hide (session 6: 0 hits at 0.9x capacity, cold TTFT = warm). Here
     # 16 files per rank (64, ~4 GB) and a host cache of 8 files: most cold adapters come from disk.
     # Prefetch on (the disk read starts when the request arrives, pool copies run ahead of
-    # admission) against off, at PREFETCH_RATE (default 16 req/s, ~0.9x session 6's S2 capacity).
+    # admission; while a read runs its request waits and the batch keeps stepping) against off,
+    # at PREFETCH_RATE (default 16 req/s, ~0.9x session 6's S2 capacity), then at 20 req/s, just
+    # past it, where requests queue and a prefetch has time to act.
     "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --rate "${PREFETCH_RATE:-16}" --duration-s 30 \
       --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 --engine host_cache_size=8 \
       --variant "S2-n1000-f16-prefetch-on" \
       --variant "S2-n1000-f16-prefetch-off:--engine prefetch_adapters=0" \
+      --variant "S2-n1000-f16-prefetch-on-R20:--rate 20" \
+      --variant "S2-n1000-f16-prefetch-off-R20:--rate 20 --engine prefetch_adapters=0" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
     ;;
   s4)
