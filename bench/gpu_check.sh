@@ -19,6 +19,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|orbax-checkpoint|safetensors|torch|transformers|peft|triton|jax-triton|numpy) " \
   | tee "$OUT/versions.txt"
 source bench/xla_cache.sh
+# jax-triton (the Triton LoRA twins and their tests) from the carried wheel when the image lacks it.
+if ! python3 -c "import jax_triton" 2>/dev/null && compgen -G ".whl/jax_triton*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-jt .whl/jax_triton*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site-jt
+fi
 rc=0
 has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
