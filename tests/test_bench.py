@@ -358,3 +358,25 @@ def test_hf_peft_baseline_smoke(tmp_path):
         assert r["generated_tokens"] == r["batch"] * r["gen_len"] and r["gen_tok_s"] > 0
     assert d["merged"][1]["batches"] == 4
     assert all(r["merged_matches_unmerged"] for r in d["merged"])
+
+
+def test_ceiling_mean_context_and_bytes():
+    """bench/ceiling.py: the mean decode context equals the token-weighted mean of an exhaustive
+    enumeration of prompt and output lengths; KV bytes a token and adapter bytes follow llama-7b's
+    shapes; no adapters, no loss."""
+    import itertools
+    from bench.ceiling import mean_decode_context, step_bytes
+    from slora_jax.config import load_model_config
+    ins, outs = range(8, 20), range(3, 11)
+    total = count = 0
+    for p, o in itertools.product(ins, outs):
+        total += sum(p + j for j in range(1, o + 1))
+        count += o
+    assert abs(mean_decode_context((8, 20), (3, 11)) - total / count) < 1e-9
+    cfg = load_model_config("llama-7b")
+    base1, _ = step_bytes(cfg, rows=1, context=1, adapters=0, mean_rank=8)
+    base0, _ = step_bytes(cfg, rows=0, context=0, adapters=0, mean_rank=8)
+    assert base1 - base0 == 32 * 2 * 4096 * 2  # one token's K and V in 32 layers, bf16
+    _, lora = step_bytes(cfg, rows=0, context=0, adapters=3, mean_rank=16)
+    assert lora == 3 * 16 * 32 * 4 * (4096 + 4096) * 2  # q, k, v, o: A and B at rank 16
+    assert base0 > 13e9 and base0 < cfg.num_params() * 2  # the embedding table is read as rows
