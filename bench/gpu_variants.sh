@@ -28,6 +28,8 @@ case $group in
     # 1-2: capacity: n = 1000 and the base model alone offered 40 req/s, well above what either
     #      serves; completed req/s is the capacity (issue 7's >= 0.9x is 1 / 2). Later rates are
     #      set from 1.
+    # 1a-1b: the same two with 8 decoder layers a jit (layers_per_call; 6 executions a step
+    #      instead of 34; their own warm-up: pass --warmup-workers 8 in RUN_ARGS).
     # 2a-2b: the same two without overlap_steps (on by default on a GPU since session 6: step n+1
     #      is dispatched before step n's tokens come back; its own warm-up: other step inputs).
     # 3-4: the same with decode LoRA through the one-hot path always ("xla", the default before
@@ -44,13 +46,15 @@ case $group in
     #      (At twice the capacity for 20 s every first token still came within 6 s: admission
     #      grows the batch and decode slows, so nothing separates the policies there.)
     # 15: mixed steps (decode tokens in chunked-prefill steps) at 0.9x capacity, against 7.
-    # (Run order: 1, 2, 2a, 2b, 7-8 and their disk pair, 9-14, 15, then 5-6 and 3-4, which session 5
+    # (Run order: 1, 2, 1a, 1b, 2a, 2b, 7-8 and their disk pair, 9-14, 15, then 5-6 and 3-4, which session 5
     # measured already.)
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "$cap:--rate 40 ${short[*]}" \
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
+      --variant "S2-unified-n1000-R40-layer8:--rate 40 ${short[*]} --engine layers_per_call=8" \
+      --variant "S2-base-R40-layer8:--mode base --rate 40 ${short[*]} --engine layers_per_call=8" \
       --variant "S2-unified-n1000-R40-no-overlap:--rate 40 ${short[*]} --engine overlap_steps=false" \
       --variant "S2-base-R40-no-overlap:--mode base --rate 40 ${short[*]} --engine overlap_steps=false" \
       --variant "S2-n1000-prefetch-on-0.9:--rate-from $cap:0.9 --warmup-s 5" \

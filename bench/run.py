@@ -803,7 +803,8 @@ def run_variants(args, argv: list[str]) -> dict:
         try:
             llm = _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages,
                                {"load_s": load_s, "register_s": register_s,
-                                "warmup_shapes": shapes, "warmup_compile_s": compile_s})
+                                "warmup_shapes": shapes, "warmup_compile_s": compile_s},
+                               workers=args.warmup_workers)
         except Exception:  # noqa: BLE001 - one failing variant must not take the others with it
             import traceback
             msg = traceback.format_exc()
@@ -813,7 +814,7 @@ def run_variants(args, argv: list[str]) -> dict:
     return {}
 
 
-def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loads):
+def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loads, workers=1):
     import gc
     import jax
     from slora_jax.engine import Engine, EngineOptions
@@ -836,7 +837,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile
         # them before serving; the ones the first warm-up compiled are in-memory cache hits.
         t = time.perf_counter()
-        shapes = llm.warmup(max_context=w.input_range[1] + w.output_range[1], progress=False)
+        shapes = llm.warmup(max_context=w.input_range[1] + w.output_range[1], progress=False, workers=workers)
         variant_warmup = {"shapes": shapes, "seconds": time.perf_counter() - t}
         print(f"[variants] {name}: warm-up of its engine options, {shapes} shapes in "
               f"{variant_warmup['seconds']:.0f} s", flush=True)
