@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -81,15 +82,14 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
     ("/layerK": K decoder layers a jit, layers_per_call),
     "/grouped" for lora_group_qkv=True (q, k, v shrink in one launch)."""
     lora, attn, *rest = pair.split("/")
-    layers = [p for p in rest if p.startswith("layer")]
-    if not set(rest) - set(layers) <= {"grouped"} or len(layers) > 1 or \
-            (layers and not (layers[0] == "layer" or layers[0][5:].isdigit())):
+    layers = [int(p[5:] or 1) for p in rest if re.fullmatch(r"layer\d*", p)]
+    if len(layers) > 1 or set(rest) - {"grouped"} - {p for p in rest if re.fullmatch(r"layer\d*", p)}:
         raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer (or layerK), grouped")
     eng = llm.engine
     eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
     eng.opts.prefill_lora_backend = "pallas" if lora == "hybrid" else lora
     eng.opts.compile_per_layer = bool(layers)
-    eng.opts.layers_per_call = int(layers[0][5:] or 1) if layers else 1
+    eng.opts.layers_per_call = layers[0] if layers else 1
     eng.opts.lora_group_qkv = "grouped" in rest
     eng._decode_pages = eng.decode_page_floor()
     return lora, attn

@@ -576,8 +576,9 @@ class Engine:
         workers > 1 compiles shapes side by side (on a 2-core CPU, 43 shapes of an 8-layer model:
         123 s with 1, 106 s with 2; per layer, 29 shapes of the tiny model: 57.5 s with 1, 51.4 s
         with 2). With compile_per_layer the threads compile embed, the layer runs and the head
-        (paged.compile_per_layer); the steps run afterwards compile only commit_kv. Not the default yet: on a GPU, XLA autotunes its GEMMs by
-        timing them on the device, and concurrent compiles may time each other's kernels."""
+        (paged.compile_layer_steps); the steps run afterwards compile only commit_kv. More than
+        one worker is not the default yet: on a GPU, XLA autotunes its GEMMs by timing them on the
+        device, and concurrent compiles may time each other's kernels."""
         shapes = self.warmup_shapes(max_context, lora)
         workers = max(1, workers or 1)
 
@@ -585,7 +586,7 @@ class Engine:
 
         def compile_one(inp):
             if per_layer:
-                paged.compile_per_layer(self.params, self.kv, inp, cfg=self.cfg, layers_per_call=per_layer)
+                paged.compile_layer_steps(self.params, self.kv, inp, cfg=self.cfg, layers_per_call=per_layer)
             else:
                 paged.forward_sample.lower(self.params, self.kv, inp, cfg=self.cfg).compile()
             kind = "decode" if inp.decode else "prefill"

@@ -344,25 +344,31 @@ def forward_sample_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig,
     inp = jax.device_put(inp, pool[0].sharding)  # once (not per layer), on the pool's device
     x, cos, sin = embed_step(params["embed_tokens"], inp, cfg=cfg)
     new_kv = []
-    layers, k = params["layers"], max(1, int(layers_per_call))
-    for i in range(0, len(layers), k):
-        x, kv = layer_step(tuple(layers[i:i + k]), tuple(pool[i:i + k]), x, cos, sin, inp, cfg=cfg)
+    layers = params["layers"]
+    for i, n in _layer_runs(len(layers), layers_per_call):
+        x, kv = layer_step(tuple(layers[i:i + n]), tuple(pool[i:i + n]), x, cos, sin, inp, cfg=cfg)
         new_kv.extend(kv)
     return tuple(new_kv), head_step(_head(params), x, inp, cfg=cfg)
+
+
+def _layer_runs(num_layers: int, layers_per_call: int) -> list[tuple[int, int]]:
+    """(first layer, length) of each run of layers one layer_step call takes."""
+    k = max(1, layers_per_call)
+    return [(i, min(k, num_layers - i)) for i in range(0, num_layers, k)]
 
 
 def _head(params) -> dict:
     return {k: params[k] for k in ("norm", "embed_tokens", "lm_head") if k in params}
 
 
-def compile_per_layer(params, pool, inp: StepInputs, *, cfg: ModelConfig, layers_per_call: int = 1) -> None:
+def compile_layer_steps(params, pool, inp: StepInputs, *, cfg: ModelConfig, layers_per_call: int = 1) -> None:
     """Compile forward_sample_per_layer's jits for inp's shapes without running a decoder layer (a
     warm-up thread's work). embed_step runs, so the layers are lowered with the very arrays (and
     placements) a step passes them, and the step's own calls then find them compiled."""
     inp = jax.device_put(inp, pool[0].sharding)
     x, cos, sin = embed_step(params["embed_tokens"], inp, cfg=cfg)
-    layers, k = params["layers"], max(1, int(layers_per_call))
-    for n in sorted({min(k, len(layers) - i) for i in range(0, len(layers), k)}):
+    layers = params["layers"]
+    for n in sorted({n for _, n in _layer_runs(len(layers), layers_per_call)}):
         layer_step.lower(tuple(layers[:n]), tuple(pool[:n]), x, cos, sin, inp, cfg=cfg).compile()
     head_step.lower(_head(params), x, inp, cfg=cfg).compile()
 

@@ -778,7 +778,7 @@ def test_layers_per_call_matches_reference(paths, ref, monkeypatch, k):
 
 def test_per_layer_warmup_compiles_in_its_threads(paths, monkeypatch, caplog):
     """compile_per_layer warm-up with 2 threads: embed, layer and head compile in the threads
-    (paged.compile_per_layer); the steps it runs afterwards compile only commit_kv."""
+    (paged.compile_layer_steps); the steps it runs afterwards compile only commit_kv."""
     import logging
     from slora_jax import paged
     phase, real = ["threads"], paged.step
