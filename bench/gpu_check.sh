@@ -67,11 +67,11 @@ fi
 if has sweep; then
   # LoRA kernel block settings (issue 4's bandwidth target), one kernels.py run each on the
   # decode shapes, H->H module; one JSON line per setting in sweep.jsonl. SWEEP_BLOCKS: the list.
-  sweep_blocks=${SWEEP_BLOCKS:-'{} {"shrink":{"static_split":true}} {"expand":{"y_first":true}} {"expand":{"col_tile":512}} {"expand":{"col_tile":512,"y_first":true}} {"shrink":{"rank_tile":64}} {"shrink":{"rank_tile":32,"static_split":true}}'}
+  sweep_blocks=${SWEEP_BLOCKS:-'{} {"expand":{"col_tile":512}} {"expand":{"rank_tile":64,"col_tile":256}} {"expand":{"col_tile":512,"num_warps":8}} {"expand":{"y_first":true}} {"shrink":{"rank_tile":64}} {"shrink":{"col_tile":512}} {"shrink":{"static_split":true}} {"shrink":{"num_stages":3}} {"shrink":{"rank_tile":32,"num_warps":8}}'}
   : > "$OUT/sweep.jsonl"
   for cfg in $sweep_blocks; do
     timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64,256 \
-      --adapters 32,256 --lora-blocks "$cfg" --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
+      --adapters 32,256 --lora-variants pallas --lora-blocks "$cfg" --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
     echo "sweep $cfg rc=$?"
     [[ -f /tmp/sweep.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
       /tmp/sweep.json >> "$OUT/sweep.jsonl" && rm -f /tmp/sweep.json

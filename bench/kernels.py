@@ -292,6 +292,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
                 "triton": triton if opts["triton"] else None}  # None: reported as n/a
+    if opts.get("lora_variants"):  # a sweep times only the named ones (the reference always runs)
+        variants = {k: (v if k == "xla_ref" or k in opts["lora_variants"] else None) for k, v in variants.items()}
     res = measure(variants, "xla_ref", lambda name: None if name == "padded" else pool.rows,
                   sets_of, by["total"], bw, opts)
     padded_sets.clear()
@@ -514,6 +516,8 @@ def main() -> None:
     ap.add_argument("--lora-blocks", default=None,
                     help='JSON merged into pallas_kernels.lora.BLOCKS before any trace, e.g. '
                          '\'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
+    ap.add_argument("--lora-variants", default=None,
+                    help=f"comma list of LoRA variants to time besides xla_ref (default all: {','.join(VARIANTS)})")
     args = ap.parse_args()
     if args.lora_blocks:
         for kind, over in json.loads(args.lora_blocks).items():
@@ -531,6 +535,9 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
     o["quick"] = args.quick
+    o["lora_variants"] = [v for v in (args.lora_variants or "").split(",") if v]
+    if set(o["lora_variants"]) - set(VARIANTS):
+        raise SystemExit(f"--lora-variants: unknown {sorted(set(o['lora_variants']) - set(VARIANTS))}; known {VARIANTS}")
     o["interpret"] = dev.platform == "cpu"
     triton_unavailable = triton_lora.unavailable_reason()
     o["triton"] = triton_unavailable is None
