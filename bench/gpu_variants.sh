@@ -75,20 +75,19 @@ case $group in
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
     ;;
   prefetch)
-    # Issue 5, cold-adapter TTFT with real disk reads. The s2 group's trace registers its 1000
-    # names over 4 weight files per rank, so every cold load was a host-cache hit (~1 ms) and
-    # prefetch had nothing to hide (session 6: 0 hits at 0.9x capacity, cold TTFT = warm). Here
-    # 16 files per rank (64, ~4 GB) and a host cache of 8 files: most cold adapters come from disk.
-    # Prefetch on (the disk read starts when the request arrives, pool copies run ahead of
-    # admission; while a read runs its request waits and the batch keeps stepping) against off,
-    # at PREFETCH_RATE (default 16 req/s, ~0.9x session 6's S2 capacity), then at 20 req/s, just
-    # past it, where requests queue and a prefetch has time to act.
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --rate "${PREFETCH_RATE:-16}" --duration-s 30 \
-      --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 --engine host_cache_size=8 \
-      --variant "S2-n1000-f16-prefetch-on" \
-      --variant "S2-n1000-f16-prefetch-off:--engine prefetch_adapters=0" \
-      --variant "S2-n1000-f16-prefetch-on-R20:--rate 20" \
-      --variant "S2-n1000-f16-prefetch-off-R20:--rate 20 --engine prefetch_adapters=0" \
+    # Issue 5, cold- vs warm-adapter TTFT, prefetch on against off, at 20 req/s (just past session
+    # 6's S2 capacity of ~18 with overlap: requests queue, so a prefetch has time to act).
+    # 16 weight files per rank (64 files, ~4 GB), registered under the 1000 names.
+    # 1-2: every file in the host cache (S-LoRA's setting: adapters in host memory); a cold adapter
+    #      costs its host->device copy, which prefetch starts ahead of admission.
+    # 3-4: a host cache of 8 files: most cold adapters come from disk; prefetch starts the read
+    #      when the request arrives (4 reads in flight), off reads in the step loop.
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --rate "${PREFETCH_RATE:-20}" --duration-s 30 \
+      --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 \
+      --variant "S2-n1000-f16-prefetch-on-R20" \
+      --variant "S2-n1000-f16-prefetch-off-R20:--engine prefetch_adapters=0" \
+      --variant "S2-n1000-f16-prefetch-on-R20-disk:--engine host_cache_size=8" \
+      --variant "S2-n1000-f16-prefetch-off-R20-disk:--engine prefetch_adapters=0 --engine host_cache_size=8" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
     ;;
   s4)

@@ -63,6 +63,11 @@ def _pinned_host(x: np.ndarray):
         return x
 
 
+# Disk reads in flight at once (`stage`): a read is mostly file I/O and numpy casts, which release
+# the GIL, so a few overlap; one alone fell behind S2's arrivals with a small host cache.
+STAGE_WORKERS = 4
+
+
 class AdapterStore:
     def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
                  *, pad_to_max_rank: bool = False):
@@ -72,9 +77,10 @@ class AdapterStore:
         self.host_cache_size = host_cache_size
         self.entries: dict[str, AdapterEntry] = {}
         self._rows: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._layouts: dict[tuple, AdapterLayout] = {}  # file id -> layout, of every file validated
         self._version = 0
         self.disk_loads = 0
-        # Disk reads started by `stage`, by file: one worker thread, made on first use. The lock
+        # Disk reads started by `stage`, by file: STAGE_WORKERS threads, made on first use. The lock
         # guards the cache, these futures and disk_loads (the worker writes all three).
         self._lock = threading.Lock()
         self._staging: dict[tuple, concurrent.futures.Future] = {}
@@ -83,15 +89,14 @@ class AdapterStore:
     def register(self, name: str, path: str | os.PathLike) -> AdapterEntry:
         """Validate and register; re-registering a name always reads its files again."""
         fid = _file_id(path)
-        with self._lock:
-            known = next((e for e in self.entries.values()
-                          if e.file_id == fid and e.name != name and fid in self._rows), None)
-        if known is not None:
-            layout = known.layout
-        else:
+        # A file already read and validated under another name (the same bytes: fid holds its
+        # inode, size, mtime and ctime) is not read again; its rows come from disk when first used.
+        layout = self._layouts.get(fid) if name not in self.entries else None
+        if layout is None:
             adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
             layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
             self._cache(fid, pack_adapter(adapter, layout, self.cfg, self.dtype))
+            self._layouts[fid] = layout
         self._version += 1
         entry = AdapterEntry(name, str(path), self._version, layout, fid)
         self.entries[name] = entry
@@ -131,7 +136,7 @@ class AdapterStore:
             if fid in self._rows or fid in self._staging:
                 return False
             if self._stager is None:
-                self._stager = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slora-adapter-stage")
+                self._stager = concurrent.futures.ThreadPoolExecutor(STAGE_WORKERS, thread_name_prefix="slora-adapter-stage")
             self._staging[fid] = self._stager.submit(self._read, entry)
             return True
 

@@ -236,6 +236,29 @@ def test_host_cache_miss_rereads_adapter_from_disk(paths, ref):
     assert_drained(engine)
 
 
+def test_names_sharing_files_register_without_rereading(paths, monkeypatch):
+    """Many names over a few files (bench traces register 1000 names over 64 files) with a host
+    cache smaller than the file count: each file is read once at registration, not once a name.
+    Re-registering a name still reads its file again."""
+    from slora_jax import adapter_store
+    reads = []
+    real = adapter_store.load_peft_adapter
+
+    def load(path, *a, **k):
+        reads.append(str(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(adapter_store, "load_peft_adapter", load)
+    store = adapter_store.AdapterStore(CFG, np.float32, page_size=16, max_rank=16, host_cache_size=1)
+    files = [paths["a"], paths["b"], paths["c"]]
+    for i in range(12):
+        store.register(f"n{i}", files[i % 3])
+    assert sorted(reads) == sorted(str(f) for f in files), reads
+    assert store.get("n4").layout == store.get("n1").layout != store.get("n0").layout
+    store.register("n4", files[1])
+    assert reads[-1] == str(files[1]) and len(reads) == 4
+    assert len(store._rows) == 1  # the cache still holds one file
+
+
 @pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
 def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, prefetch):
     """A request for an adapter whose rows left the host cache starts the disk read when it
