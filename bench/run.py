@@ -829,9 +829,9 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         gc.collect()
         llm.options = EngineOptions(**opts)
         llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
-        # The adapter store outlives the engine: its host cache takes this variant's size (it
-        # shrinks at its next insert).
-        llm.store.host_cache_size = llm.options.host_cache_size
+        # The adapter store outlives the engine: its host cache takes this variant's size now
+        # (a smaller cache drops files at once, so the variant's cold adapters come from disk).
+        llm.store.resize_host_cache(llm.options.host_cache_size)
     variant_warmup = None
     if opts != {**opts0, "pool_pages": num_pages}:
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile

@@ -157,6 +157,14 @@ class AdapterStore:
             self.disk_loads += 1
         return self._cache(entry.file_id, rows)
 
+    def resize_host_cache(self, size: int) -> None:
+        """Keep at most `size` weight files' rows in host memory from now on, dropping the least
+        recently used at once (not at the next insert)."""
+        with self._lock:
+            self.host_cache_size = size
+            while len(self._rows) > size:
+                self._rows.popitem(last=False)
+
     def _cache(self, key, rows: np.ndarray):
         staged = _pinned_host(rows)
         with self._lock:

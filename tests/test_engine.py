@@ -257,6 +257,12 @@ def test_names_sharing_files_register_without_rereading(paths, monkeypatch):
     store.register("n4", files[1])
     assert reads[-1] == str(files[1]) and len(reads) == 4
     assert len(store._rows) == 1  # the cache still holds one file
+    store.resize_host_cache(3)
+    store.rows(store.get("n0"))
+    store.rows(store.get("n2"))
+    assert len(store._rows) == 3 and store.disk_loads == 2
+    store.resize_host_cache(1)  # drops the two least recently used at once
+    assert list(store._rows) == [store.get("n2").file_id]
 
 
 @pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
