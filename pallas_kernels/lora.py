@@ -67,11 +67,14 @@ from jax.experimental.pallas import triton as plgpu
 # static_split (shrink, split_k > 1): each program's chunk loop has a static trip count when
 # split_k divides the chunks (Triton can then pipeline its loads; the traced bounds it replaces
 # may not be). y_first (expand): load the y tile before the rank loop, so its latency overlaps
-# the B gathers instead of following them. Both off until the H200 sweep times them.
+# the B gathers instead of following them. y_first is on from the H200 sweep
+# (bench/results/20261129-0de79dd/sweep.jsonl, qkvo, shrink + expand, median us, one run):
+# 64 x 32 41.5 -> 38.9, 256 x 32 48.6 -> 35.6, 256 x 256 119.8 -> 115.5. static_split lost at
+# 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False),
-    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=False),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True),
 }
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
 MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this loop inside a program
