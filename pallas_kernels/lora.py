@@ -107,7 +107,7 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
-                   slots, tiles, module_cols, static_split=False):
+                   slots, tiles, module_cols, max_rank, static_split=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -120,7 +120,7 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
     def block(b):
         s0, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
         s = g * slots + s0                     # module g's row of slot s0
-        r = ranks_ref[s]
+        r = jnp.minimum(ranks_ref[s], max_rank)  # clamped here, not by an XLA op per call
 
         @pl.when(k * rank_tile < r)
         def _():
@@ -161,14 +161,14 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
 
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, y_first=False):
+                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
     col = o * col_tile
 
     def block(b):
         s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
-        r = ranks_ref[s]
+        r = jnp.minimum(ranks_ref[s], max_rank)
         tok_live = start + jnp.arange(block_t) < end
 
         def rank_tile_step(kt, acc):
@@ -237,11 +237,14 @@ def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T):
 
 
 def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int,
-                 schedule=None):
+                 schedule=None, clamp: bool = True):
     """The launch schedule shared by every shrink and expand (Pallas and Triton): ranks clamped to
-    max_rank, the block schedule and its live total (`schedule`, from block_schedule, if given),
-    the block bound NB and the program count."""
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank)
+    max_rank (clamp=False: left to the kernel, which clamps each slot's rank as it reads it: no
+    XLA op per call), the block schedule and its live total (`schedule`, from block_schedule, if
+    given), the block bound NB and the program count."""
+    ranks = ranks.astype(jnp.int32)
+    if clamp:
+        ranks = jnp.minimum(ranks, max_rank)
     if schedule is None:
         sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
     else:
@@ -283,9 +286,11 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     grouped = a_rows.ndim == 3
     a_rows, ranks = (a_rows, ranks) if grouped else (a_rows[None], ranks[None])
     n_modules, slots = ranks.shape
-    _, sched, total, nb, n_programs = _plan_blocks(ranks.max(axis=0), seg_starts, t, max_rank, block_t,
-                                                   max_programs, schedule)
-    ranks = jnp.minimum(ranks.astype(jnp.int32), max_rank).reshape(-1)
+    # The slots live in any module (a reduction only where the schedule is built here).
+    live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
+    _, sched, total, nb, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t,
+                                                   max_programs, schedule, clamp=False)
+    ranks = ranks.astype(jnp.int32).reshape(-1)  # clamped in the kernel
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
     tiles = pl.cdiv(max_rank, rank_tile)
@@ -295,7 +300,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
-        slots=slots, tiles=tiles, module_cols=module_cols, static_split=blocks.get("static_split", False))
+        slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
+        static_split=blocks.get("static_split", False))
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
@@ -317,10 +323,10 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
     blocks = BLOCKS["expand"]
     rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
-                                                       schedule)
+                                                       schedule, clamp=False)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
-        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col,
+        col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
         y_first=blocks.get("y_first", False))
     return pl.pallas_call(
         kernel,
@@ -358,7 +364,8 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
 def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int, interpret=None,
                       block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
-    are sequences of G per-module arrays. Returns xa [T', G * Rw] float32, module g's columns from
+    are sequences of G per-module arrays, or already stacked [G, Sa, RA] and [G, Sa] (the engine
+    stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa [T', G * Rw] float32, module g's columns from
     g * Rw (Rw = xa.shape[1] // G >= max_rank, T' >= T: split-K pads both to whole tiles); pass it
     to lora_expand with xa_col = g * Rw. schedule: block_schedule of the slots that any module has."""
     assert x.shape[1] == in_features, (x.shape, in_features)
@@ -367,7 +374,10 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
                                                       in_features=in_features) for a, r in zip(a_rows, ranks)], 1)
     _check_block_t(block_t)
-    stack = (lambda v: jnp.stack([jnp.asarray(a) for a in v])) if len(a_rows) > 1 else (lambda v: v[0])
+    def stack(v):
+        if not isinstance(v, (list, tuple)):
+            return v if v.shape[0] > 1 else v[0]  # stacked by the caller
+        return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
     return _shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule, max_rank=max_rank,
                    in_features=in_features, interpret=_interpret(interpret), block_t=block_t,
                    max_programs=max_programs)

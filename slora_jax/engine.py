@@ -552,8 +552,10 @@ class Engine:
             seg_starts = np.zeros(sa + 1, np.int32)
             ranks = {m: rk for m, (_, _, rk) in arrays.items()}
             backend = self._step_backend(sa, decode)
+            rows, stacked = paged.stack_qkv({m: (a, b) for m, (a, b, _) in arrays.items()}, ranks, backend,
+                                            self.opts.lora_group_qkv)
             lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=seg_starts,
-                                    rows={m: (a, b) for m, (a, b, _) in arrays.items()}, ranks=ranks,
+                                    rows=rows, ranks=ranks, **stacked,
                                     max_rank=self.opts.max_lora_rank, backend=backend,
                                     group_qkv=self.opts.lora_group_qkv,
                                     schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))
@@ -699,7 +701,8 @@ class Engine:
                             np.ascontiguousarray(table[:, at + ra:at + ra + rb]))
             ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
             at += ra + rb + 1
-        return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
+        rows, stacked = paged.stack_qkv(rows, ranks, backend, self.opts.lora_group_qkv)
+        return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend,
                                 group_qkv=self.opts.lora_group_qkv,
                                 schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))

@@ -36,6 +36,9 @@ class LoraInputs:
     (triton_kernels.lora through jax-triton, the same segment form; GPU only).
     schedules[module] = the kernels' block schedule (pallas_kernels.lora.block_schedule), built on
     the host with the step's inputs, or None (the kernels build it in the graph).
+    qkv_a_rows [G, Sa, RA], qkv_ranks [G, Sa]: under "pallas" with group_qkv, the A rows and ranks
+    of the G >= 2 of q, k, v the step carries, stacked on the host once a step (`stack_qkv`) for
+    the grouped shrink; their rows[m] then hold None for A. None otherwise.
     """
     token_slot: jax.Array
     seg_starts: jax.Array
@@ -45,6 +48,8 @@ class LoraInputs:
     backend: str = flax.struct.field(pytree_node=False, default="xla")
     schedules: dict | None = None
     group_qkv: bool = flax.struct.field(pytree_node=False, default=False)  # see pool_lora
+    qkv_a_rows: jax.Array | None = None
+    qkv_ranks: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -230,6 +235,22 @@ def lora_xla(x, pool_layer, a_rows, b_rows, ranks, token_slot, max_rank: int, fi
 QKV = ("q_proj", "k_proj", "v_proj")  # modules that read the same x: one grouped shrink (Pallas)
 
 
+def qkv_group(modules) -> tuple[str, ...]:
+    """The modules among q, k and v, in that order, that one grouped shrink takes."""
+    return tuple(m for m in QKV if m in modules)
+
+
+def stack_qkv(rows: dict, ranks: dict, backend: str, group_qkv: bool) -> tuple[dict, dict]:
+    """Host side of the grouped shrink: (rows, LoraInputs fields). Under "pallas" with group_qkv
+    and two or more of q, k, v, their A rows and ranks stacked ([G, Sa, RA], [G, Sa]) and their
+    rows[m] A entries dropped (the kernels read the stack); else rows as given and no fields."""
+    group = qkv_group(rows)
+    if not (group_qkv and backend == "pallas" and len(group) > 1):
+        return rows, {}
+    fields = dict(qkv_a_rows=np.stack([rows[m][0] for m in group]), qkv_ranks=np.stack([ranks[m] for m in group]))
+    return {m: ((None, b) if m in group else (a, b)) for m, (a, b) in rows.items()}, fields
+
+
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
@@ -255,12 +276,16 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                                 max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule)
         group = (module,)
         if lora.group_qkv and module in QKV:
-            group = tuple(m for m in QKV if m in lora.rows)
+            group = qkv_group(lora.rows)
         seen = shrunk.get(layer)
         if seen is None or seen[0] is not x or seen[1] != group:
             group_schedule = lora.schedules.get("qkv" if len(group) > 1 else module) if lora.schedules else None
+            if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
+                a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
+            else:
+                a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
             seen = shrunk[layer] = (x, group, lora_shrink_group(
-                x, rows, [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group], lora.seg_starts,
+                x, rows, a_group, r_group, lora.seg_starts,
                 max_rank=lora.max_rank, in_features=fin, schedule=group_schedule))
         xa = seen[2]
         col = group.index(module) * (xa.shape[1] // len(group))  # this module's columns of xa

@@ -533,6 +533,8 @@ def test_padded_slots_lora_runs_over_every_slot_at_max_rank(paths):
     lora = e._lora_inputs([plan.requests[0]] * 2, 2, decode=True)
     assert set(lora.rows) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for module, (a, b) in lora.rows.items():
+        if a is None:  # q, k, v under the grouped Pallas shrink: A rows stacked (paged.stack_qkv)
+            a = lora.qkv_a_rows[paged.qkv_group(lora.rows).index(module)]
         assert a.shape[0] == b.shape[0] == 3  # the bucket is every slot, one adapter or not
         assert list(lora.ranks[module]) == [PADDED_RANK, 0, 0]
     assert lora.max_rank == PADDED_RANK
@@ -1018,21 +1020,24 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
 
 
 def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
-    """Pallas LoRA with q, k and v in one shrink launch (lora_group_qkv) and one launch each (the
-    default): the reference's tokens both ways, and the grouped launch is really taken."""
-    groups = []
+    """Pallas LoRA with q, k and v in one shrink launch (lora_group_qkv, the default) and one launch
+    each: the reference's tokens both ways, and the grouped launch is really taken, on q, k and v
+    rows stacked on the host (no stacking op in the layer)."""
+    groups, host_stacked = [], []
     real = paged.lora_shrink_group
 
     def spy(x, rows, a_rows, *args, **kw):
         groups.append(len(a_rows))
+        host_stacked.append(not isinstance(a_rows, (list, tuple)))  # paged.stack_qkv's [G, Sa, RA]
         return real(x, rows, a_rows, *args, **kw)
     monkeypatch.setattr(paged, "lora_shrink_group", spy)
     rows = [0, 1, 3, 5]  # adapters a, b, c (q, k, v among their targets) and a again
     sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
     for grouped in (True, False):
-        groups.clear()
+        groups.clear(), host_stacked.clear()
         engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas", lora_group_qkv=grouped)
         outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
         assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
         assert (max(groups, default=0) == 3) == grouped, groups
+        assert all(st == (g > 1) for g, st in zip(groups, host_stacked)), (groups, host_stacked)
         assert_drained(engine)
