@@ -93,7 +93,7 @@ class AdapterStore:
         # inode, size, mtime and ctime) is not read again; its rows come from disk when first used.
         layout = self._layouts.get(fid) if name not in self.entries else None
         if layout is None:
-            adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank)  # may raise
+            adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank, dtype=None)  # may raise
             layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
             self._cache(fid, pack_adapter(adapter, layout, self.cfg, self.dtype))
             self._layouts[fid] = layout
@@ -148,7 +148,7 @@ class AdapterStore:
             return entry.file_id in self._rows or staged is None or staged.done()
 
     def _read(self, entry: AdapterEntry):
-        adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank)
+        adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank, dtype=None)
         if AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank) != entry.layout:
             raise RuntimeError(f"adapter {entry.name!r} changed on disk since it was registered; "
                                "register it again")

@@ -421,14 +421,24 @@ def _check_pair(pair: dict, target: _Target, cfg: ModelConfig, module: str) -> N
                                f"gives {target.rank_field}={target.rank} for {target.module_name}")
 
 
-def _convert(key: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Transpose PEFT's layout to ours, cast, and refuse what would poison every output."""
+def _all_finite(arr: np.ndarray) -> bool:
+    if arr.dtype == _SERVE_DTYPES["bfloat16"]:  # exponent bits all ones: Inf or NaN (no float32 copy)
+        return not np.any((arr.view(np.uint16) & 0x7F80) == 0x7F80)
+    return bool(np.isfinite(arr).all())
+
+
+def _convert(key: str, arr: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    """Cast (None: keep the file's dtype, a float of _SOURCE_DTYPES other than float64), refuse
+    what would poison every output, and transpose PEFT's layout to ours as a view (no copy:
+    pack_adapter reads A back in the file's order and transposes B once)."""
+    if dtype is None:
+        dtype = np.dtype(np.float32) if arr.dtype == np.float64 else arr.dtype
     with np.errstate(over="ignore"):  # overflow is caught just below, with the tensor's name
-        out = np.ascontiguousarray(arr.T.astype(dtype))
-    if not np.isfinite(out.astype(np.float32)).all():
+        out = arr.astype(dtype, copy=False)  # cast in the file's (contiguous) order: fast
+    if not _all_finite(out):
         raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} has non-finite values as {dtype} "
                            f"(NaN/Inf in the file, or overflow in the conversion)")
-    return out
+    return out.T
 
 
 def _serve_dtype(dtype: Any) -> np.dtype:
@@ -447,9 +457,11 @@ def _serve_dtype(dtype: Any) -> np.dtype:
 
 def load_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str | None = None,
                       max_rank: int | None = None, dtype: Any = np.float32) -> LoraAdapter:
-    """Load a PEFT LoRA adapter directory for the base model `cfg`; AdapterError if it cannot be served."""
+    """Load a PEFT LoRA adapter directory for the base model `cfg`; AdapterError if it cannot be served.
+    dtype: the weights' dtype (None: the file's own, float64 as float32; pack_adapter then casts
+    once into the pool's dtype)."""
     path = Path(path)
-    out_dtype = _serve_dtype(dtype)
+    out_dtype = None if dtype is None else _serve_dtype(dtype)
     if not path.is_dir():
         raise AdapterError(f"{path}: adapter directory not found")
     conf = _read_config(path)

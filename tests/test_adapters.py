@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -200,16 +201,34 @@ def test_all_zero_b_is_legal(tmp_path):
 
 
 @pytest.mark.parametrize("saved", [np.float32, np.float16, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("want", [np.float32, np.float16, ml_dtypes.bfloat16, "bfloat16", "float16"])
+@pytest.mark.parametrize("want", [np.float32, np.float16, ml_dtypes.bfloat16, "bfloat16", "float16", None])
 def test_dtype_conversion(tmp_path, saved, want):
     random_peft_adapter(tmp_path, CFG, rank=4, targets=["k_proj"], dtype=saved)
     saved_a = load_file(str(tmp_path / "adapter_model.safetensors"))[peft_tensor_key(1, "k_proj", "A")]
     assert saved_a.dtype == np.dtype(saved)
     w = load_peft_adapter(tmp_path, CFG, dtype=want).weights[(1, "k_proj")]
-    want_dtype = np.dtype(ml_dtypes.bfloat16) if want == "bfloat16" else np.dtype(want)
+    want_dtype = (np.dtype(saved) if want is None else
+                  np.dtype(ml_dtypes.bfloat16) if want == "bfloat16" else np.dtype(want))
     assert w.a.dtype == want_dtype and w.b.dtype == want_dtype
     np.testing.assert_array_equal(w.a, saved_a.T.astype(want_dtype))
-    assert w.a.flags.c_contiguous and w.b.flags.c_contiguous
+    # Views of the cast file arrays, in the file's order: no transposing copy at load time.
+    assert w.a.T.flags.c_contiguous and w.b.T.flags.c_contiguous
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_bfloat16_kept_as_is_is_refused(tmp_path, bad):
+    """dtype=None (the adapter store's load) keeps bfloat16 as bfloat16; its finiteness check reads
+    the exponent bits instead of a float32 copy, and still names the tensor."""
+    conf, tensors = base_adapter(tmp_path)
+    key = next(k for k in tensors if "lora_B" in k)
+    t = tensors[key].astype(ml_dtypes.bfloat16)
+    t.flat[3] = bad
+    write(tmp_path, conf, {**{k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, key: t})
+    with pytest.raises(AdapterError, match=re.escape(key)):
+        load_peft_adapter(tmp_path, CFG, dtype=None)
+    ok = dict(tensors)
+    write(tmp_path, conf, {k: v.astype(ml_dtypes.bfloat16) for k, v in ok.items()})
+    assert load_peft_adapter(tmp_path, CFG, dtype=None).weights  # the same file, finite: loads
 
 
 def test_adapter_helpers(tmp_path):
