@@ -80,7 +80,7 @@ if has sweep; then
 fi
 if has profile; then
   timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
-    --adapters "${PROFILE_ADAPTERS:-32}" --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step.json" \
+    --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step.json" \
     > "$OUT/profile_step.log" 2>&1
   echo "profile_step rc=$?"
   # The GPU client's command-buffer (CUDA graph) flags and their defaults, beside the profile:

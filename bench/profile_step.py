@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--adapters", default="32",
                     help="comma list: distinct adapters in the batch, each profiled (0: base only)")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--ranks", default=None, help="comma list: adapter i has rank ranks[i %% len] (overrides --rank)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--backends", default="xla/xla,pallas/pallas")
@@ -127,20 +128,21 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     counts = [int(n) for n in str(args.adapters).split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [args.rank]
 
     llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=max(args.batch, 1),
-              max_lora_rank=args.rank, memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
+              max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     names = []
     for i in range(max(counts)):
-        path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=args.rank,
+        path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=ranks[i % len(ranks)],
                                    targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
         llm.load_adapter(f"lora-{i}", path)
         names.append(f"lora-{i}")
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
-              "batch": args.batch, "context": args.context, "adapters": counts, "runs": []}
+              "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks, "runs": []}
     for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
         reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
