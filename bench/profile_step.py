@@ -111,6 +111,44 @@ def summarize(events: list[dict], steps: int, top: int) -> dict:
     }
 
 
+def dispatch_breakdown(llm, inp, per_layer: int, reps: int = 4) -> dict:
+    """Host time of each call a per-layer step makes (paged.forward_sample_per_layer, then
+    commit_kv), summed by kind, median of `reps` steps: where the host's dispatch goes (a fixed
+    cost a call, or a cost a kernel)."""
+    eng = llm.engine
+    runs = []
+    for _ in range(reps):
+        t = {"device_put": 0.0, "embed": 0.0, "layers": 0.0, "head": 0.0, "commit_kv": 0.0}
+        t0 = time.perf_counter()
+        dinp = jax.device_put(inp, eng.kv[0].sharding)
+        t1 = time.perf_counter()
+        x, cos, sin = paged.embed_step(llm.params["embed_tokens"], dinp, cfg=llm.cfg)
+        t2 = time.perf_counter()
+        t["device_put"], t["embed"] = t1 - t0, t2 - t1
+        new_kv, layers = [], llm.params["layers"]
+        runs_ = paged._layer_runs(len(layers), per_layer)
+        for i, n in runs_:
+            a = time.perf_counter()
+            x, kv = paged.layer_step(tuple(layers[i:i + n]), tuple(eng.kv[i:i + n]), x, cos, sin, dinp, cfg=llm.cfg)
+            t["layers"] += time.perf_counter() - a
+            new_kv.extend(kv)
+        a = time.perf_counter()
+        res = paged.head_step(paged._head(llm.params), x, dinp, cfg=llm.cfg)
+        b = time.perf_counter()
+        eng.kv = paged.commit_kv(eng.kv, tuple(new_kv), dinp.kv_slot)
+        c = time.perf_counter()
+        t["head"], t["commit_kv"] = b - a, c - b
+        res.block_until_ready()
+        t["wait"] = time.perf_counter() - c
+        t["layer_calls"] = len(runs_)
+        runs.append(t)
+    runs = runs[1:]  # the first may compile (commit_kv of these shapes)
+    mid = sorted(runs, key=lambda r: r["layers"])[len(runs) // 2]
+    out = {k: (v * 1e6 if k != "layer_calls" else v) for k, v in mid.items()}
+    out["us_per_layer_call"] = out["layers"] / max(1, out["layer_calls"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-7b")
@@ -170,6 +208,15 @@ def main() -> None:
                 eng._release(r)
         s = summarize(device_events(trace_dir), args.steps, args.top)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
+        if per_layer:
+            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            try:
+                s["dispatch_breakdown_us"] = bd = dispatch_breakdown(llm, inp, per_layer)
+            finally:
+                for r in reqs:
+                    eng._release(r)
+            print(f"{pair}, {n} adapters, host time of one step's calls (us): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in bd.items()), flush=True)
         result["runs"].append({"backends": pair, "adapters": n, **s})
         print(f"{pair}, {n} adapters: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
               f"{s['kernels_per_step']:.0f} kernels per step; untraced wall {s['wall_us_per_step'] / 1e3:.2f} ms "
