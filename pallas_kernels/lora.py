@@ -365,9 +365,10 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
                       block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
     """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
     are sequences of G per-module arrays, or already stacked [G, Sa, RA] and [G, Sa] (the engine
-    stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa [T', G * Rw] float32, module g's columns from
-    g * Rw (Rw = xa.shape[1] // G >= max_rank, T' >= T: split-K pads both to whole tiles); pass it
-    to lora_expand with xa_col = g * Rw. schedule: block_schedule of the slots that any module has."""
+    stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa
+    [T', G * Rw] float32, module g's columns from g * Rw (Rw = xa.shape[1] // G >= max_rank,
+    T' >= T: split-K pads both to whole tiles); pass it to lora_expand with xa_col = g * Rw.
+    schedule: block_schedule of the slots that any module has."""
     assert x.shape[1] == in_features, (x.shape, in_features)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.

@@ -136,7 +136,8 @@ class AdapterStore:
             if fid in self._rows or fid in self._staging:
                 return False
             if self._stager is None:
-                self._stager = concurrent.futures.ThreadPoolExecutor(STAGE_WORKERS, thread_name_prefix="slora-adapter-stage")
+                self._stager = concurrent.futures.ThreadPoolExecutor(
+                    STAGE_WORKERS, thread_name_prefix="slora-adapter-stage")
             self._staging[fid] = self._stager.submit(self._read, entry)
             return True
 
