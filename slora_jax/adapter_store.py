@@ -2,10 +2,11 @@
 
 Registering validates the adapter in full (so a bad one fails at load time and nothing changes),
 keeps its page layout, and caches its packed rows. Only `host_cache_size` weight files keep their
-rows in host memory; the rest are re-read from disk on demand. The cache is keyed by the weight
-file's identity (path, size, mtime), so one directory registered under many names is read once.
-`stage` starts such a re-read on a worker thread as soon as a request for the adapter arrives, so
-the step loop that admits it later finds the rows cached instead of reading the disk itself.
+rows in host memory; the rest are re-read from disk on demand. The cache and the layouts are keyed
+by the weight file's identity (path, inode, size, mtime, ctime), so one directory registered under
+many names is read and validated once, whatever the cache holds. `stage` starts such a re-read on
+one of STAGE_WORKERS threads as soon as a request for the adapter arrives, so the step loop that
+admits it later finds the rows cached instead of reading the disk itself.
 Each (re-)registration bumps a version: the pool keys pages by (name, version), so a replaced
 adapter's stale pages are never served.
 """
@@ -124,7 +125,7 @@ class AdapterStore:
         return self._read(entry)
 
     def stage(self, entry: AdapterEntry) -> bool:
-        """Start reading `entry`'s rows from disk on the store's worker thread unless they are
+        """Start reading `entry`'s rows from disk on a store worker thread unless they are
         cached or already on their way; True if a read started. Called when a request for a
         non-resident adapter arrives: by its admission the rows are (usually) in host memory."""
         with self._lock:
