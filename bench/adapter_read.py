@@ -5,6 +5,11 @@ miss, and what registration does once per weight file): load_peft_adapter, then 
 
 --dtype float32 loads through float32 as the store did before session 7 (the default, None, keeps
 the file's bfloat16). The file is written once under --dir (page-cached reads after the first).
+
+    python bench/adapter_read.py --register 16 --workers 1,8     # AdapterStore.register_many
+
+--register N: N distinct files (seeds differ) registered under N names, once per --workers count,
+each time into a fresh store (host cache of N): the start-up of a server given N adapters.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def main() -> dict:
     ap.add_argument("--dtype", default=None, help="load_peft_adapter's dtype (default: the file's)")
     ap.add_argument("--dir", default="/tmp/slora-adapter-read")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--register", type=int, default=0, help="time register_many over this many distinct files")
+    ap.add_argument("--workers", default="1,8", help="comma list of register_many worker counts")
     args = ap.parse_args()
 
     import ml_dtypes
@@ -58,6 +65,22 @@ def main() -> dict:
               "file_MB": (path / "adapter_model.safetensors").stat().st_size / 1e6, "rows_MB": rows.nbytes / 1e6,
               "load_s_median": float(np.median(load_s)), "pack_s_median": float(np.median(pack_s)),
               "total_s_median": float(np.median(total)), "total_s_min": float(total.min()), "repeats": args.repeats}
+    if args.register:
+        from slora_jax.adapter_store import AdapterStore
+        names = {}
+        for k in range(args.register):
+            p = Path(args.dir) / f"{args.model}-r{args.rank}-{args.targets.replace(',', '-')}-{k}"
+            if not (p / "adapter_model.safetensors").is_file():
+                random_peft_adapter(p, cfg, rank=args.rank, targets=args.targets.split(","), seed=100 + k, std=0.02,
+                                    dtype="bfloat16")
+            names[f"a{k}"] = p
+        result["register"] = {}
+        for w in [int(x) for x in args.workers.split(",")]:
+            store = AdapterStore(cfg, ml_dtypes.bfloat16, 16, args.rank, host_cache_size=args.register)
+            t = time.perf_counter()
+            store.register_many(names, workers=w)
+            result["register"][f"workers={w}"] = time.perf_counter() - t
+            del store
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

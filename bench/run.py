@@ -699,8 +699,7 @@ def _main(args, argv: list[str]) -> dict:
         llm = build_llm(w, opts)
         result["load_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        for name, path in paths.items():
-            llm.load_adapter(name, path)
+        llm.load_adapters(paths)
         result["register_s"] = time.perf_counter() - t
         t = time.perf_counter()
         result["warmup_shapes"] = llm.warmup(max_context=w.input_range[1] + w.output_range[1],
@@ -770,8 +769,7 @@ def run_variants(args, argv: list[str]) -> dict:
     load_s = time.perf_counter() - t
     num_pages = llm.engine.num_pages
     t = time.perf_counter()
-    for name, path in paths.items():
-        llm.load_adapter(name, path)
+    llm.load_adapters(paths)  # distinct files read side by side
     register_s = time.perf_counter() - t
     print(f"[variants] model loaded in {load_s:.1f} s, {len(paths)} adapters registered in {register_s:.1f} s, "
           f"{num_pages} pages", flush=True)

@@ -46,8 +46,8 @@ class LLM:
                                   self.options.max_lora_rank, self.options.host_cache_size,
                                   pad_to_max_rank=self.options.adapter_memory == "padded_slots")
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
-        for name, path in (adapters or {}).items():
-            self.load_adapter(name, path)
+        if adapters:
+            self.load_adapters(adapters)
 
     def warmup(self, max_context: int | None = None, progress: bool = True, lora: bool = True,
                workers: int | None = None) -> int:
@@ -65,6 +65,17 @@ class LLM:
         self.store.register(name, path)  # validates in full; raises before anything changes
         if old is not None:
             self.engine.pool.drop_adapter(old.key)  # running requests keep the version they started on
+
+    def load_adapters(self, adapters: dict[str, str | os.PathLike], workers: int | None = None) -> None:
+        """load_adapter for {name: directory}, files read `workers` at a time (default: up to 8);
+        all or nothing: the first failing adapter's error is raised and none is registered."""
+        for name in adapters:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
+        old = {name: self.store.entries[name] for name in adapters if name in self.store.entries}
+        self.store.register_many(dict(adapters), workers)
+        for entry in old.values():
+            self.engine.pool.drop_adapter(entry.key)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.store:

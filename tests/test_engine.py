@@ -265,6 +265,38 @@ def test_names_sharing_files_register_without_rereading(paths, monkeypatch):
     assert list(store._rows) == [store.get("n2").file_id]
 
 
+def test_register_many_reads_files_side_by_side_all_or_nothing(paths, tmp_path, monkeypatch):
+    """register_many reads each distinct file once, on its worker threads; one bad adapter among
+    them raises (the first bad one in the caller's order) and registers no name at all."""
+    import threading
+    from slora_jax import adapter_store
+    reads = []
+    real = adapter_store.load_peft_adapter
+
+    def load(path, *a, **k):
+        reads.append((str(path), threading.current_thread().name))
+        return real(path, *a, **k)
+    monkeypatch.setattr(adapter_store, "load_peft_adapter", load)
+    store = adapter_store.AdapterStore(CFG, np.float32, page_size=16, max_rank=16, host_cache_size=2)
+    too_big = random_peft_adapter(tmp_path / "r32", CFG, rank=32, targets=["q_proj"], seed=9)
+    bad_cfg = tmp_path / "not-an-adapter"
+    bad_cfg.mkdir()
+    many = {f"n{i}": paths["abc"[i % 3]] for i in range(9)}
+    with pytest.raises(AdapterError, match="exceeds max_rank"):
+        store.register_many({**many, "big": too_big, "nothing": bad_cfg}, workers=3)
+    assert not store.entries  # nothing registered
+    reads.clear()
+    entries = store.register_many(many, workers=3)
+    assert [e.name for e in entries] == list(many) and set(store.entries) == set(many)
+    assert reads == [], reads  # validated by the failed call: not read again
+    assert store.get("n3").layout == store.get("n0").layout
+    assert len(store._rows) <= 2  # the host cache stays bounded while the threads fill it
+    store.register_many({"n0": paths["b"], "fresh": paths["d"]}, workers=2)  # n0 re-registered: read
+    assert sorted(p for p, _ in reads) == sorted([str(paths["b"]), str(paths["d"])])
+    assert all(t.startswith("slora-adapter-register") for _, t in reads), reads
+    assert store.get("n0").layout == store.get("n1").layout  # now b's
+
+
 @pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
 def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, prefetch):
     """A request for an adapter whose rows left the host cache starts the disk read when it
