@@ -105,33 +105,41 @@ class AdapterStore:
             if fid not in todo and (name in self.entries or fid not in self._layouts):
                 todo[fid] = (name, path)
 
-        def read(fid):
-            name, path = todo[fid]
-            adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank, dtype=None)
-            layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
-            self._cache(fid, pack_adapter(adapter, layout, self.cfg, self.dtype))  # bounded as it goes
-            return layout
-
         n = max(1, min(workers or min(8, os.cpu_count() or 1), len(todo)))
         if n == 1:  # in this thread, in order: the first failure stops it
-            for fid in todo:
-                self._layouts[fid] = read(fid)
+            for fid, (name, path) in todo.items():
+                self._layouts[fid], rows = self._load(name, path)
+                self._cache(fid, rows)
         else:
-            with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="slora-adapter-register") as pool:
-                futures = {fid: pool.submit(read, fid) for fid in todo}
-                concurrent.futures.wait(futures.values())
-            # Files that validated are remembered (a retry without the bad one reads nothing
-            # again); then the first failure in the caller's order is raised.
-            self._layouts.update({fid: f.result() for fid, f in futures.items() if f.exception() is None})
-            for _, _, fid in items:
-                if fid in futures and futures[fid].exception() is not None:
-                    raise futures[fid].exception()
+            self._load_side_by_side(todo, n)
         entries = []
         for name, path, fid in items:
             self._version += 1
             entries.append(AdapterEntry(name, str(path), self._version, self._layouts[fid], fid))
             self.entries[name] = entries[-1]
         return entries
+
+    def _load_side_by_side(self, todo: dict, n: int) -> None:
+        """`_load` every {file id: (name, path)} of todo on n threads, at most 2n files in flight;
+        each is cached and its layout kept in todo's order (the host cache ends the same as
+        loading one by one). Files that validate are kept even when another fails (a retry
+        without the bad one reads nothing again); then the first failure in todo's order raises."""
+        fids, first_error = list(todo), None
+        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="slora-adapter-register") as pool:
+            futures = {fid: pool.submit(self._load, *todo[fid]) for fid in fids[:2 * n]}
+            for i, fid in enumerate(fids):
+                if i + 2 * n < len(fids):
+                    nxt = fids[i + 2 * n]
+                    futures[nxt] = pool.submit(self._load, *todo[nxt])
+                try:
+                    layout, rows = futures.pop(fid).result()
+                except Exception as e:  # noqa: BLE001: raised below, after the others are kept
+                    first_error = first_error or e
+                    continue
+                self._cache(fid, rows)
+                self._layouts[fid] = layout
+        if first_error is not None:
+            raise first_error
 
     def unregister(self, name: str) -> AdapterEntry:
         return self.entries.pop(name)
@@ -179,12 +187,17 @@ class AdapterStore:
             staged = self._staging.get(entry.file_id)
             return entry.file_id in self._rows or staged is None or staged.done()
 
+    def _load(self, name: str, path) -> tuple[AdapterLayout, np.ndarray]:
+        """Read and validate one adapter directory: its layout and packed rows."""
+        adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank, dtype=None)  # may raise
+        layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
+        return layout, pack_adapter(adapter, layout, self.cfg, self.dtype)
+
     def _read(self, entry: AdapterEntry):
-        adapter = load_peft_adapter(entry.path, self.cfg, name=entry.name, max_rank=self.max_rank, dtype=None)
-        if AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank) != entry.layout:
+        layout, rows = self._load(entry.name, entry.path)
+        if layout != entry.layout:
             raise RuntimeError(f"adapter {entry.name!r} changed on disk since it was registered; "
                                "register it again")
-        rows = pack_adapter(adapter, entry.layout, self.cfg, self.dtype)
         with self._lock:
             self.disk_loads += 1
         return self._cache(entry.file_id, rows)

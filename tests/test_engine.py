@@ -295,6 +295,8 @@ def test_register_many_reads_files_side_by_side_all_or_nothing(paths, tmp_path, 
     assert sorted(p for p, _ in reads) == sorted([str(paths["b"]), str(paths["d"])])
     assert all(t.startswith("slora-adapter-register") for _, t in reads), reads
     assert store.get("n0").layout == store.get("n1").layout  # now b's
+    # cached in the caller's order, whichever thread finished first: as one by one
+    assert list(store._rows) == [store.get("n0").file_id, store.get("fresh").file_id]
 
 
 @pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
