@@ -214,6 +214,7 @@ class AdapterStore:
         staged = _pinned_host(rows)
         with self._lock:
             self._rows[key] = staged
+            self._rows.move_to_end(key)  # a re-read file is the most recent, like a new one
             while len(self._rows) > self.host_cache_size:
                 self._rows.popitem(last=False)
         return staged
