@@ -815,6 +815,7 @@ def run_variants(args, argv: list[str]) -> dict:
 def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loads, workers=1):
     import gc
     import jax
+    from slora_jax.adapter_store import host_cache_bytes
     from slora_jax.engine import Engine, EngineOptions
     opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
     opts = {**opts, "pool_pages": num_pages}
@@ -829,7 +830,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.options, llm.max_model_len)
         # The adapter store outlives the engine: its host cache takes this variant's size now
         # (a smaller cache drops files at once, so the variant's cold adapters come from disk).
-        llm.store.resize_host_cache(llm.options.host_cache_size)
+        llm.store.resize_host_cache(llm.options.host_cache_size, host_cache_bytes(llm.options.host_cache_gb))
     variant_warmup = None
     if opts != {**opts0, "pool_pages": num_pages}:
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile

@@ -69,13 +69,29 @@ def _pinned_host(x: np.ndarray):
 STAGE_WORKERS = 4
 
 
+def host_cache_bytes(gb: float | None) -> int:
+    """EngineOptions.host_cache_gb in bytes; None: 40% of the machine's physical memory."""
+    if gb is not None:
+        if gb <= 0:
+            raise ValueError(f"host_cache_gb must be > 0, got {gb}")
+        return int(gb * 2**30)
+    try:
+        return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # no sysconf: files only
+        return 1 << 62
+
+
 class AdapterStore:
     def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
-                 *, pad_to_max_rank: bool = False):
+                 *, pad_to_max_rank: bool = False, host_cache_bytes: int | None = None):
         self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
         # Lay every adapter out at max_rank on every target module (the padded-slots baseline).
         self.pad_rank = max_rank if pad_to_max_rank else None
         self.host_cache_size = host_cache_size
+        # A cap on the cached rows' bytes as well (None: files only): 256 all-linear rank-64
+        # llama-7b adapters are ~80 GB of pinned host memory. The newest file always stays.
+        self.host_cache_bytes = host_cache_bytes
+        self._cached_bytes = 0
         self.entries: dict[str, AdapterEntry] = {}
         self._rows: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self._layouts: dict[tuple, AdapterLayout] = {}  # file id -> layout, of every file validated
@@ -202,19 +218,28 @@ class AdapterStore:
             self.disk_loads += 1
         return self._cache(entry.file_id, rows)
 
-    def resize_host_cache(self, size: int) -> None:
-        """Keep at most `size` weight files' rows in host memory from now on, dropping the least
-        recently used at once (not at the next insert)."""
+    def resize_host_cache(self, size: int, nbytes: int | None = None) -> None:
+        """Keep at most `size` weight files' rows (and `nbytes` bytes of them, if given) in host
+        memory from now on, dropping the least recently used at once (not at the next insert)."""
         with self._lock:
             self.host_cache_size = size
-            while len(self._rows) > size:
-                self._rows.popitem(last=False)
+            self.host_cache_bytes = nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used files past the file cap or the byte cap (not the newest)."""
+        def over():
+            return len(self._rows) > self.host_cache_size or (
+                self.host_cache_bytes is not None and self._cached_bytes > self.host_cache_bytes and len(self._rows) > 1)
+        while self._rows and over():
+            _, rows = self._rows.popitem(last=False)
+            self._cached_bytes -= rows.nbytes
 
     def _cache(self, key, rows: np.ndarray):
         staged = _pinned_host(rows)
         with self._lock:
-            self._rows[key] = staged
-            self._rows.move_to_end(key)  # a re-read file is the most recent, like a new one
-            while len(self._rows) > self.host_cache_size:
-                self._rows.popitem(last=False)
+            old = self._rows.pop(key, None)
+            self._cached_bytes += staged.nbytes - (old.nbytes if old is not None else 0)
+            self._rows[key] = staged  # a re-read file is the most recent, like a new one
+            self._evict()
         return staged

@@ -101,6 +101,9 @@ class EngineOptions(SchedulerOptions):
     # the base model; the host's wait for a step's tokens fell from 9.9 to 1.7 ms a step.
     overlap_steps: bool | None = None
     host_cache_size: int = 256
+    # GiB of packed adapter rows host memory may hold (pinned where the platform has it), on top of
+    # the file count: None, 40% of the machine's memory.
+    host_cache_gb: float | None = None
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
     # "unified": one pool for KV and adapters at their real ranks (S-LoRA);

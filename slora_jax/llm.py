@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from slora_jax.adapter_store import AdapterStore
+from slora_jax.adapter_store import AdapterStore, host_cache_bytes
 from slora_jax.config import load_model_config
 from slora_jax.engine import Engine, EngineOptions
 from slora_jax.request import RequestOutput
@@ -44,7 +44,8 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
                                   self.options.max_lora_rank, self.options.host_cache_size,
-                                  pad_to_max_rank=self.options.adapter_memory == "padded_slots")
+                                  pad_to_max_rank=self.options.adapter_memory == "padded_slots",
+                                  host_cache_bytes=host_cache_bytes(self.options.host_cache_gb))
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
         if adapters:
             self.load_adapters(adapters)

@@ -1067,6 +1067,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-lora-rank", type=int, default=None, help="default 64 (32 for the embedded default)")
     ap.add_argument("--max-loras", type=int, default=64, help="distinct adapters per batch")
     ap.add_argument("--max-cpu-loras", type=int, default=256, help="adapters whose weights stay in host memory")
+    ap.add_argument("--max-cpu-lora-gb", type=float, default=None,
+                    help="GiB of adapter weights host memory may hold (default: 40%% of the machine's memory)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 64 (16 for the embedded default)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill tokens per step")
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -1113,7 +1115,7 @@ def main(argv: list[str] | None = None) -> None:
               max_model_len=args.max_model_len, page_size=args.page_size, pool_pages=pool_pages,
               memory_fraction=args.gpu_memory_utilization, max_num_seqs=max_num_seqs,
               max_prefill_tokens=args.max_num_batched_tokens, max_adapters_per_batch=args.max_loras,
-              max_lora_rank=max_rank, host_cache_size=args.max_cpu_loras,
+              max_lora_rank=max_rank, host_cache_size=args.max_cpu_loras, host_cache_gb=args.max_cpu_lora_gb,
               compile_per_layer=args.compile_per_layer, overlap_steps=args.overlap_steps,
               **({"ttft_slo": args.ttft_slo} if args.ttft_slo is not None else {}))
     if not args.no_warmup:

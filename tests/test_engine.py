@@ -299,6 +299,30 @@ def test_register_many_reads_files_side_by_side_all_or_nothing(paths, tmp_path, 
     assert list(store._rows) == [store.get("n0").file_id, store.get("fresh").file_id]
 
 
+def test_host_cache_byte_cap(paths):
+    """The host cache drops least recently used files past its byte cap as well as its file
+    count, keeps the newest file even when it alone is over the cap, and counts the bytes it
+    holds exactly; LLM's host_cache_gb sets the cap."""
+    from slora_jax import adapter_store
+    store = adapter_store.AdapterStore(CFG, np.float32, page_size=16, max_rank=16, host_cache_size=10)
+    for name in "abcd":
+        store.register(name, paths[name])
+    sizes = {n: store._rows[store.get(n).file_id].nbytes for n in "abcd"}
+    assert store._cached_bytes == sum(sizes.values())
+    store.resize_host_cache(10, sizes["c"] + sizes["d"])  # room for the two newest
+    assert list(store._rows) == [store.get("c").file_id, store.get("d").file_id]
+    store.rows(store.get("a"))  # read again: "a" is the newest; "c" goes, and "d" too if still over
+    want = ["d", "a"] if sizes["d"] + sizes["a"] <= sizes["c"] + sizes["d"] else ["a"]
+    assert list(store._rows) == [store.get(n).file_id for n in want], (sizes, want)
+    assert store._cached_bytes == sum(r.nbytes for r in store._rows.values())
+    store.resize_host_cache(10, 1)  # below one file: the newest stays
+    assert list(store._rows) == [store.get("a").file_id] and store._cached_bytes == sizes["a"]
+    llm = make_llm(paths, ("a",), page_size=16, pool_pages=BIG, host_cache_gb=0.5)
+    assert llm.store.host_cache_bytes == 2**29
+    with pytest.raises(ValueError, match="host_cache_gb"):
+        make_llm(paths, ("a",), page_size=16, pool_pages=BIG, host_cache_gb=0)
+
+
 @pytest.mark.parametrize("prefetch", [8, 0], ids=["staged_on_arrival", "read_at_admission"])
 def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, prefetch):
     """A request for an adapter whose rows left the host cache starts the disk read when it
