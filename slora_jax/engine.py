@@ -554,14 +554,9 @@ class Engine:
             arrays = {m: self._empty_lora_arrays(m, sa) for m in modules}
             seg_starts = np.zeros(sa + 1, np.int32)
             ranks = {m: rk for m, (_, _, rk) in arrays.items()}
-            backend = self._step_backend(sa, decode)
-            rows, stacked = paged.stack_qkv({m: (a, b) for m, (a, b, _) in arrays.items()}, ranks, backend,
-                                            self.opts.lora_group_qkv)
-            lora = paged.LoraInputs(token_slot=np.full(t, -1, np.int32), seg_starts=seg_starts,
-                                    rows=rows, ranks=ranks, **stacked,
-                                    max_rank=self.opts.max_lora_rank, backend=backend,
-                                    group_qkv=self.opts.lora_group_qkv,
-                                    schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))
+            lora = self._make_lora_inputs(t, np.full(t, -1, np.int32), seg_starts,
+                                          {m: (a, b) for m, (a, b, _) in arrays.items()}, ranks,
+                                          self._step_backend(sa, decode))
         fed = dict(token_src=np.full(t, -1, np.int32), prev_results=self._prev_results) \
             if self.opts.overlap_steps else {}
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros, **fed,
@@ -704,11 +699,16 @@ class Engine:
                             np.ascontiguousarray(table[:, at + ra:at + ra + rb]))
             ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
             at += ra + rb + 1
-        rows, stacked = paged.stack_qkv(rows, ranks, backend, self.opts.lora_group_qkv)
+        return self._make_lora_inputs(t, token_slot, seg_starts, rows, ranks, backend)
+
+    def _make_lora_inputs(self, t: int, token_slot, seg_starts, rows: dict, ranks: dict,
+                          backend: str) -> paged.LoraInputs:
+        """LoraInputs of a step (live or null): q/k/v stacked for the grouped shrink, schedules."""
+        group = self.opts.lora_group_qkv
+        rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
-                                max_rank=self.opts.max_lora_rank, backend=backend,
-                                group_qkv=self.opts.lora_group_qkv,
-                                schedules=self._schedules(ranks, seg_starts, t, backend, self.opts.lora_group_qkv))
+                                max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
+                                schedules=self._schedules(ranks, seg_starts, t, backend, group))
 
     @staticmethod
     def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str,

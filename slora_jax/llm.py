@@ -60,12 +60,7 @@ class LLM:
 
     def load_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register (or replace) adapter `name`; fails whole, leaving the served set unchanged."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
-        old = self.store.entries.get(name)
-        self.store.register(name, path)  # validates in full; raises before anything changes
-        if old is not None:
-            self.engine.pool.drop_adapter(old.key)  # running requests keep the version they started on
+        self.load_adapters({name: path}, workers=1)
 
     def load_adapters(self, adapters: dict[str, str | os.PathLike], workers: int | None = None) -> None:
         """load_adapter for {name: directory}, files read `workers` at a time (default: up to 8);
@@ -74,9 +69,9 @@ class LLM:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
         old = {name: self.store.entries[name] for name in adapters if name in self.store.entries}
-        self.store.register_many(dict(adapters), workers)
+        self.store.register_many(dict(adapters), workers)  # validates; raises before anything changes
         for entry in old.values():
-            self.engine.pool.drop_adapter(entry.key)
+            self.engine.pool.drop_adapter(entry.key)  # running requests keep the version they started on
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.store:
