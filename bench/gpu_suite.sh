@@ -97,7 +97,7 @@ fi
 ADIR=${ADAPTER_DIR:-/tmp/slora-bench-adapters}
 # Every run.py first compiles all of its engine's step buckets (minutes on a 7B model; a cache load
 # on a warm machine, see bench/NOTES.md). RUN_ARGS: more run.py arguments for every part, e.g.
-# RUN_ARGS="--engine compile_per_layer=true".
+# RUN_ARGS="--warmup-workers 8" (compiles the buckets 8 at a time).
 RUN=("$PY" bench/run.py --adapter-dir "$ADIR" --no-requests ${RUN_ARGS:-})   # per-request records only
 RUNR=("$PY" bench/run.py --adapter-dir "$ADIR" ${RUN_ARGS:-})                # where a TTFT CDF is drawn
 

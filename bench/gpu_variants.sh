@@ -18,8 +18,8 @@ WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
 group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch}
-# RUN_ARGS: more run.py arguments for every variant, e.g.
-# RUN_ARGS="--engine compile_per_layer=true --warmup-workers 8"
+# RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
+# first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
      --budget-s "${BUDGET_S:-540}" ${RUN_ARGS:-})
 case $group in
@@ -28,8 +28,9 @@ case $group in
     # 1-2: capacity: n = 1000 and the base model alone offered 40 req/s, well above what either
     #      serves; completed req/s is the capacity (issue 7's >= 0.9x is 1 / 2). Later rates are
     #      set from 1.
-    # 1a-1b: the same two with 8 decoder layers a jit (layers_per_call; 6 executions a step
-    #      instead of 34; their own warm-up: pass --warmup-workers 8 in RUN_ARGS).
+    #      (The engine's default whole-model jit: session 8 measured it 17% faster with adapters
+    #      and 13% without than one decoder layer a jit, 19.1 / 26.0 req/s against 16.3 / 23.0.
+    #      Pass RUN_ARGS="--warmup-workers 8": the first warm-up compiles 44 buckets, 77-88 s.)
     # 2a-2b: the same two without overlap_steps (on by default on a GPU since session 6: step n+1
     #      is dispatched before step n's tokens come back; its own warm-up: other step inputs).
     # 3-4: the same with decode LoRA through the one-hot path always ("xla", the default before
@@ -46,15 +47,13 @@ case $group in
     #      (At twice the capacity for 20 s every first token still came within 6 s: admission
     #      grows the batch and decode slows, so nothing separates the policies there.)
     # 15: mixed steps (decode tokens in chunked-prefill steps) at 0.9x capacity, against 7.
-    # (Run order: 1, 2, 1a, 1b, 2a, 2b, 7-8 and their disk pair, 9-14, 15, then 5-6 and 3-4, which session 5
+    # (Run order: 1, 2, 2a, 2b, 7-8 and their disk pair, 9-14, 15, then 5-6 and 3-4, which session 5
     # measured already.)
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "$cap:--rate 40 ${short[*]}" \
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
-      --variant "S2-unified-n1000-R40-layer8:--rate 40 ${short[*]} --engine layers_per_call=8" \
-      --variant "S2-base-R40-layer8:--mode base --rate 40 ${short[*]} --engine layers_per_call=8" \
       --variant "S2-unified-n1000-R40-no-overlap:--rate 40 ${short[*]} --engine overlap_steps=false" \
       --variant "S2-base-R40-no-overlap:--mode base --rate 40 ${short[*]} --engine overlap_steps=false" \
       --variant "S2-n1000-prefetch-on-0.9:--rate-from $cap:0.9 --warmup-s 5" \
@@ -75,20 +74,30 @@ case $group in
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
     ;;
   prefetch)
-    # Issue 5, cold- vs warm-adapter TTFT, prefetch on against off, at 20 req/s (just past session
-    # 6's S2 capacity of ~18 with overlap: requests queue, so a prefetch has time to act).
-    # 16 weight files per rank (64 files, ~4 GB), registered under the 1000 names.
-    # 1-2: every file in the host cache (S-LoRA's setting: adapters in host memory); a cold adapter
-    #      costs its host->device copy, which prefetch starts ahead of admission.
-    # 3-4: a host cache of 8 files: most cold adapters come from disk; prefetch starts the read
-    #      when the request arrives (4 reads in flight), off reads in the step loop.
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --rate "${PREFETCH_RATE:-20}" --duration-s 30 \
+    # Issue 5: how much of the cold-adapter cost a prefetch hides (bench/prefetch_report.py reads
+    # the folder afterwards: per request, TTFT over the in-memory reference's, on against off).
+    # S2, n = 1000 over 16 weight files per rank (64 files, ~4 GB), the engine's default jit.
+    # Session 8 (22 req/s, host cache 8): from host memory a cold adapter cost nothing visible,
+    # on or off; from disk the reads outran what 4 stage threads managed (~9 a second for the
+    # ~15 asked), and prefetch hid 51% (mean) / 77% (median). So the rate here is one the disk
+    # path can keep up with (~0.57 reads a request at a cache of 8 of 64 files: ~7 a second at 12).
+    # 1: the reference: prefetch on, every file in the host cache (S-LoRA's setting).
+    # 2-3: a host cache of 8 files, prefetch on (reads start on arrival) and off (the step loop
+    #      reads at admission).
+    # 4: as 2 with 8 stage threads (stage_workers; the GPU host has 16 cores).
+    # 5-7: 1-3 at 16 req/s.
+    r=${PREFETCH_RATE:-12}; r2=${PREFETCH_RATE2:-16}
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --duration-s 30 \
       --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 \
-      --variant "S2-n1000-f16-prefetch-on-R20" \
-      --variant "S2-n1000-f16-prefetch-off-R20:--engine prefetch_adapters=0" \
-      --variant "S2-n1000-f16-prefetch-on-R20-disk:--engine host_cache_size=8" \
-      --variant "S2-n1000-f16-prefetch-off-R20-disk:--engine prefetch_adapters=0 --engine host_cache_size=8" \
+      --variant "S2-n1000-f16-prefetch-on-R$r:--rate $r" \
+      --variant "S2-n1000-f16-prefetch-on-R$r-disk:--rate $r --engine host_cache_size=8" \
+      --variant "S2-n1000-f16-prefetch-off-R$r-disk:--rate $r --engine prefetch_adapters=0 --engine host_cache_size=8" \
+      --variant "S2-n1000-f16-prefetch-on-R$r-disk-w8:--rate $r --engine host_cache_size=8 --engine stage_workers=8" \
+      --variant "S2-n1000-f16-prefetch-on-R$r2:--rate $r2" \
+      --variant "S2-n1000-f16-prefetch-on-R$r2-disk:--rate $r2 --engine host_cache_size=8" \
+      --variant "S2-n1000-f16-prefetch-off-R$r2-disk:--rate $r2 --engine prefetch_adapters=0 --engine host_cache_size=8" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
+    python3 bench/prefetch_report.py "$RES" --out "$RES/prefetch_report.json" | tee -a "$RES/variants-prefetch.log"
     ;;
   s4)
     # Issue 7's memory ablation, S4 (ranks 64, 32) at n = 400, R = 6 (paper, A100-80GB: unified

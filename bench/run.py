@@ -207,9 +207,57 @@ def _pool_sample(llm) -> tuple[int, int, int, int]:
         return st["resident_adapters"], st["adapter_pages"], st["kv_pages"], st["total_pages"]
 
 
-def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | None = None
-           ) -> tuple[list[Record], dict]:
-    """Serve `trace` in real time on `llm.engine`. names[adapter_id] (None: base model)."""
+class ServingTrace:
+    """A device trace of `steps` serving steps, from the first step at or after `after_s` seconds
+    into the trace, summed by kernel as bench/profile_step.py sums a bare step: device time and
+    kernels a step, the traced span against the time some kernel ran (busy < span: the device
+    waited for the host), beside the host's wall time a step in the same window."""
+
+    def __init__(self, llm, steps: int, after_s: float):
+        self.llm, self.want, self.after_s = llm, steps, after_s
+        self.steps, self.active, self.done = 0, False, False
+
+    def maybe_start(self, now: float) -> None:
+        if self.active or self.done or now < self.after_s:
+            return
+        import jax
+        self.dir = tempfile.mkdtemp(prefix="slora-serve-trace-")
+        self.before = self.llm.stats()
+        jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+        self.active, self.t0 = True, time.perf_counter()
+
+    def stepped(self) -> None:
+        if self.active:
+            self.steps += 1
+            if self.steps >= self.want:
+                self.stop()
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        import jax
+        for a in jax.tree.leaves(self.llm.engine.kv):  # the last dispatched step ends inside the trace
+            a.block_until_ready()
+        self.wall_s = time.perf_counter() - self.t0
+        jax.profiler.stop_trace()
+        self.after = self.llm.stats()
+        self.active, self.done = False, True
+
+    def summary(self, top: int = 15) -> dict | None:
+        if not self.done or not self.steps:
+            return None
+        from bench.profile_step import device_events, summarize as sum_kernels
+        out = sum_kernels(device_events(self.dir), self.steps, top)
+        out.update(steps=self.steps, after_s=self.after_s, wall_us_per_step=self.wall_s * 1e6 / self.steps,
+                   steps_by_kind=_steps_by_kind(self.before, self.after), trace_dir=self.dir)
+        return out
+
+
+def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | None = None,
+           trace_steps: int = 0, trace_after_s: float = 10.0) -> tuple[list[Record], dict]:
+    """Serve `trace` in real time on `llm.engine`. names[adapter_id] (None: base model).
+    trace_steps > 0: a device trace of that many steps from trace_after_s on (ServingTrace),
+    summed into the returned pool stats' "serving_trace"."""
     w = trace.workload
     eng, vocab, eos = llm.engine, llm.cfg.vocab_size, llm.cfg.eos_token_ids
     recs = [Record(i, r.arrival_s, names[r.adapter_id] if names else None, r.prompt_len, r.output_len)
@@ -224,6 +272,7 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
     counter.count, counter.seconds, counter.active = 0, 0.0, True
     index: dict[str, int] = {}         # request id -> trace index
     nxt, cut, steps = 0, False, 0
+    tracer = ServingTrace(llm, trace_steps, trace_after_s) if trace_steps > 0 else None
     t0 = time.perf_counter()
     try:
         while True:
@@ -245,7 +294,11 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                 cut = True
                 break
             if eng.has_unfinished():
+                if tracer is not None:
+                    tracer.maybe_start(now)
                 finished = eng.step()
+                if tracer is not None:
+                    tracer.stepped()
                 now = time.perf_counter() - t0
                 steps += 1
                 # Only running requests get tokens, and step() returns what finished (aborts
@@ -278,6 +331,8 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                 time.sleep(max(0.0, reqs[nxt].arrival_s - (time.perf_counter() - t0)))
     finally:
         counter.active = False
+        if tracer is not None:
+            tracer.stop()
     wall = time.perf_counter() - t0
     if cut:
         for i, out in live.items():
@@ -307,6 +362,8 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                          for k in after.get("host_seconds", {})},
         "steps_by_kind": _steps_by_kind(before, after),
     }
+    if tracer is not None:
+        pool["serving_trace"] = tracer.summary()
     return recs, pool
 
 
@@ -432,6 +489,12 @@ def table(result: dict) -> str:
             rows.append(("before / dispatch / wait / after ms a step",
                          f"{each('schedule', 'adapter_loads', 'inputs')} / {each('dispatch')} / "
                          f"{each('prefetch', 'device_wait')} / {each('complete')}"))
+        st = p.get("serving_trace")
+        if st:
+            rows.append((f"traced steps ({st['steps']}): device / busy / span / wall ms, kernels a step",
+                         f"{st['device_us_per_step'] / 1e3:.1f} / {st['busy_us_per_step'] / 1e3:.1f} / "
+                         f"{st['span_us_per_step'] / 1e3:.1f} / {st['wall_us_per_step'] / 1e3:.1f}, "
+                         f"{st['kernels_per_step']:.0f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([head, *(f"  {k:<{width}}  {_fmt(v)}" for k, v in rows)])
 
@@ -597,6 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", help="--fixed-batch dtype")
     ap.add_argument("--no-requests", action="store_true", help="leave per-request records out of the JSON")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="a device trace of this many serving steps, summed by kernel into pool.serving_trace")
+    ap.add_argument("--trace-after-s", type=float, default=10.0, help="--trace-steps: start this far into the trace")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--warmup-workers", type=int, default=1,
                     help="threads that compile the step buckets before serving (Engine.warmup)")
@@ -707,7 +773,8 @@ def _main(args, argv: list[str]) -> dict:
         result["warmup_compile_s"] = time.perf_counter() - t
         result["pool_at_start"] = llm.stats()
         warmup_trace(llm, w, names, result)
-        recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
+        recs, pool = replay(llm, trace, names, max_wall_s=max_wall, trace_steps=args.trace_steps,
+                            trace_after_s=args.trace_after_s)
         result["pool"] = pool
         wall = pool["wall_s"]
     result["metrics"] = summarize(recs, w.slo_s, wall)
@@ -831,6 +898,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         # The adapter store outlives the engine: its host cache takes this variant's size now
         # (a smaller cache drops files at once, so the variant's cold adapters come from disk).
         llm.store.resize_host_cache(llm.options.host_cache_size, host_cache_bytes(llm.options.host_cache_gb))
+        llm.store.set_stage_workers(llm.options.stage_workers)
     variant_warmup = None
     if opts != {**opts0, "pool_pages": num_pages}:
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile
@@ -849,7 +917,8 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
     result["pool_at_start"] = llm.stats()
     warmup_trace(llm, w, names, result)
     max_wall = v.max_wall_s if v.max_wall_s is not None else trace.span_s + 120.0
-    recs, pool = replay(llm, trace, names, max_wall_s=max_wall)
+    recs, pool = replay(llm, trace, names, max_wall_s=max_wall, trace_steps=v.trace_steps,
+                        trace_after_s=v.trace_after_s)
     result["pool"] = pool
     result["metrics"] = summarize(recs, w.slo_s, pool["wall_s"])
     if not v.no_requests:

@@ -5,7 +5,7 @@ keeps its page layout, and caches its packed rows. Only `host_cache_size` weight
 rows in host memory; the rest are re-read from disk on demand. The cache and the layouts are keyed
 by the weight file's identity (path, inode, size, mtime, ctime), so one directory registered under
 many names is read and validated once, whatever the cache holds. `stage` starts such a re-read on
-one of STAGE_WORKERS threads as soon as a request for the adapter arrives, so the step loop that
+one of `stage_workers` threads as soon as a request for the adapter arrives, so the step loop that
 admits it later finds the rows cached instead of reading the disk itself.
 Each (re-)registration bumps a version: the pool keys pages by (name, version), so a replaced
 adapter's stale pages are never served.
@@ -64,8 +64,10 @@ def _pinned_host(x: np.ndarray):
         return x
 
 
-# Disk reads in flight at once (`stage`): a read is mostly file I/O and numpy casts, which release
-# the GIL, so a few overlap; one alone fell behind S2's arrivals with a small host cache.
+# Disk reads in flight at once (`stage`; EngineOptions.stage_workers): a read is mostly file I/O
+# and numpy casts, which release the GIL, so a few overlap; one alone fell behind S2's arrivals
+# with a small host cache, and 4 managed ~9 reads a second of 17-134 MB files on the H200's host
+# (bench/results/README.md, session 8), fewer than S2 asked for at 22 req/s.
 STAGE_WORKERS = 4
 
 
@@ -83,7 +85,8 @@ def host_cache_bytes(gb: float | None) -> int:
 
 class AdapterStore:
     def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
-                 *, pad_to_max_rank: bool = False, host_cache_bytes: int | None = None):
+                 *, pad_to_max_rank: bool = False, host_cache_bytes: int | None = None,
+                 stage_workers: int = STAGE_WORKERS):
         self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
         # Lay every adapter out at max_rank on every target module (the padded-slots baseline).
         self.pad_rank = max_rank if pad_to_max_rank else None
@@ -97,8 +100,11 @@ class AdapterStore:
         self._layouts: dict[tuple, AdapterLayout] = {}  # file id -> layout, of every file validated
         self._version = 0
         self.disk_loads = 0
-        # Disk reads started by `stage`, by file: STAGE_WORKERS threads, made on first use. The lock
+        # Disk reads started by `stage`, by file: stage_workers threads, made on first use. The lock
         # guards the cache, these futures and disk_loads (the worker writes all three).
+        if stage_workers < 1:
+            raise ValueError(f"stage_workers must be >= 1, got {stage_workers}")
+        self.stage_workers = stage_workers
         self._lock = threading.Lock()
         self._staging: dict[tuple, concurrent.futures.Future] = {}
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
@@ -192,7 +198,7 @@ class AdapterStore:
                 return False
             if self._stager is None:
                 self._stager = concurrent.futures.ThreadPoolExecutor(
-                    STAGE_WORKERS, thread_name_prefix="slora-adapter-stage")
+                    self.stage_workers, thread_name_prefix="slora-adapter-stage")
             self._staging[fid] = self._stager.submit(self._read, entry)
             return True
 
@@ -225,6 +231,17 @@ class AdapterStore:
             self.host_cache_size = size
             self.host_cache_bytes = nbytes
             self._evict()
+
+    def set_stage_workers(self, n: int) -> None:
+        """Read with `n` threads from the next `stage` on; reads already started finish."""
+        if n < 1:
+            raise ValueError(f"stage_workers must be >= 1, got {n}")
+        with self._lock:
+            old = None
+            if n != self.stage_workers:
+                old, self._stager, self.stage_workers = self._stager, None, n
+        if old is not None:
+            old.shutdown(wait=False)
 
     def _evict(self) -> None:
         """Drop least recently used files past the file cap or the byte cap (not the newest)."""

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from pallas_kernels.lora import block_schedule
 from slora_jax import paged
-from slora_jax.adapter_store import AdapterEntry, AdapterStore
+from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
 from slora_jax.layout import AdapterLayout, page_rows
 from slora_jax.metrics import EngineMetrics
@@ -104,6 +104,8 @@ class EngineOptions(SchedulerOptions):
     # GiB of packed adapter rows host memory may hold (pinned where the platform has it), on top of
     # the file count: None, 40% of the machine's memory.
     host_cache_gb: float | None = None
+    # Threads that read cold adapters from disk when their requests arrive (prefetch_adapters > 0).
+    stage_workers: int = STAGE_WORKERS
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # Where adapter weights live (the benchmark's memory baselines; see bench/RESULTS.md):
     # "unified": one pool for KV and adapters at their real ranks (S-LoRA);

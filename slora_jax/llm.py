@@ -45,7 +45,8 @@ class LLM:
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
                                   self.options.max_lora_rank, self.options.host_cache_size,
                                   pad_to_max_rank=self.options.adapter_memory == "padded_slots",
-                                  host_cache_bytes=host_cache_bytes(self.options.host_cache_gb))
+                                  host_cache_bytes=host_cache_bytes(self.options.host_cache_gb),
+                                  stage_workers=self.options.stage_workers)
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
         if adapters:
             self.load_adapters(adapters)

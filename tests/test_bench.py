@@ -154,7 +154,8 @@ def test_padded_and_separate_modes_need_their_engine_hooks():
 @pytest.fixture(scope="module")
 def s1_cpu(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "s1-cpu.json"
-    result = run.main(["--workload", "S1-cpu", "--out", str(out)])
+    # with a device trace of 4 serving steps from the start (pool.serving_trace)
+    result = run.main(["--workload", "S1-cpu", "--out", str(out), "--trace-steps", "4", "--trace-after-s", "0"])
     return result, out
 
 
@@ -178,6 +179,10 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert 1.0 <= k["seqs_per_step_mean"] and 0.0 < k["adapters_per_step_mean"] <= k["seqs_per_step_mean"]
     assert ph["device_wait"] > 0 and ph["inputs"] > 0 and all(v >= 0 for v in ph.values())
     assert sum(ph.values()) <= p["wall_s"]
+    st = p["serving_trace"]  # 4 traced steps, summed by kernel on the CPU client's XLA threads
+    assert st["steps"] == 4 and st["kernels_per_step"] > 0 and st["device_us_per_step"] > 0
+    assert 0 < st["busy_us_per_step"] <= st["span_us_per_step"] and st["wall_us_per_step"] > 0
+    assert st["steps_by_kind"]["prefill_steps"] + st["steps_by_kind"]["decode_steps"] <= 4
     for r in result["requests"]:
         if r["finish_reason"] == "length":  # ignore_eos: every request runs to its length
             assert r["tokens"] == r["output_len"]
@@ -380,3 +385,50 @@ def test_ceiling_mean_context_and_bytes():
     _, lora = step_bytes(cfg, rows=0, context=0, adapters=3, mean_rank=16)
     assert lora == 3 * 16 * 32 * 4 * (4096 + 4096) * 2  # q, k, v, o: A and B at rank 16
     assert base0 > 13e9 and base0 < cfg.num_params() * 2  # the embedding table is read as rows
+
+
+def _prefetch_run(waits: list[float | None], aborts: dict[int, float] | None = None, wall: float = 50.0) -> dict:
+    """A run.py JSON of len(waits) requests arriving a second apart, request i's first token
+    waits[i] seconds after arrival (None: none; aborts[i] gives its abort time, else cut off)."""
+    aborts = aborts or {}
+    reqs = [{"index": i, "arrival_s": float(i),
+             "first_token_s": None if w is None else i + w,
+             "finish_s": aborts.get(i), "finish_reason": "abort" if i in aborts else "length"}
+            for i, w in enumerate(waits)]
+    return {"pool": {"wall_s": wall}, "requests": reqs}
+
+
+def test_prefetch_report_hidden_share_of_the_cold_cost(tmp_path):
+    """bench/prefetch_report.py: a request's cost is its TTFT over the reference's; aborted ones
+    count to their abort, cut-off ones to the run's end; hidden = 1 - cost(on) / cost(off)."""
+    from bench import prefetch_report as pr
+    ref = _prefetch_run([0.1, 0.1, 0.1, 0.1])
+    on = _prefetch_run([0.1, 0.1, 1.1, 1.1])          # costs 0, 0, 1, 1
+    off = _prefetch_run([4.1, 4.1, 4.1, None], aborts={})  # the last is cut off at 50 s: 47 s waited
+    h = pr.hidden_share(ref, on, off)
+    costs_off = [4.0, 4.0, 4.0, 50.0 - 3.0 - 0.1]
+    assert h["requests"] == 4
+    assert h["cost_on_mean_s"] == pytest.approx(0.5)
+    assert h["cost_off_mean_s"] == pytest.approx(np.mean(costs_off))
+    assert h["hidden_mean"] == pytest.approx(1 - 0.5 / np.mean(costs_off))
+    assert h["hidden_median"] == pytest.approx(1 - 0.5 / 4.0)
+    # An abort counts the time to the abort; no cost without the prefetch: no share.
+    aborted = _prefetch_run([0.1, 0.1, 0.1, None], aborts={3: 3.0 + 6.1})
+    assert pr.waited(aborted)[3] == pytest.approx(6.1)
+    assert pr.hidden_share(ref, ref, ref)["hidden_mean"] is None
+    with pytest.raises(ValueError, match="share no requests"):
+        pr.hidden_share(ref, {"pool": {"wall_s": 1.0}, "requests": []}, off)
+    # Pairing by name in a folder, and the report it writes.
+    for name, run_ in (("S2-x-prefetch-on-R12", ref), ("S2-x-prefetch-on-R12-disk", on),
+                       ("S2-x-prefetch-off-R12-disk", off), ("S2-x-prefetch-off-R12", ref)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run_))
+    (tmp_path / "S2-x-prefetch-on-R12-disk-w8.json").write_text(json.dumps(ref))  # off twin: -disk
+    rows = pr.main([str(tmp_path), "--out", str(tmp_path / "report.json")])
+    rows = {r["variant"]: r for r in rows}
+    assert set(rows) == {"S2-x-prefetch-on-R12-disk", "S2-x-prefetch-on-R12-disk-w8"}
+    w8 = rows["S2-x-prefetch-on-R12-disk-w8"]
+    assert w8["off"] == "S2-x-prefetch-off-R12-disk.json" and w8["hidden_mean"] == pytest.approx(1.0)
+    rows = [rows["S2-x-prefetch-on-R12-disk"]]
+    assert rows[0]["ref"] == "S2-x-prefetch-on-R12.json" and rows[0]["off"] == "S2-x-prefetch-off-R12-disk.json"
+    saved = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())}
+    assert saved["S2-x-prefetch-on-R12-disk"]["hidden_median"] == pytest.approx(0.875)

@@ -299,6 +299,46 @@ def test_register_many_reads_files_side_by_side_all_or_nothing(paths, tmp_path, 
     assert list(store._rows) == [store.get("n0").file_id, store.get("fresh").file_id]
 
 
+def test_stage_workers_read_that_many_files_at_once(paths, monkeypatch):
+    """`stage` reads up to stage_workers files at once: three reads that each wait for the other
+    two (a barrier of 3) all pass with 3 threads, and break the barrier with 2 (the third read
+    only starts after one of the first two gives up). set_stage_workers applies from the next
+    stage on; fewer than one thread is refused."""
+    import threading
+    from slora_jax import adapter_store
+    real = adapter_store.load_peft_adapter
+    barrier = threading.Barrier(3, timeout=5.0)
+
+    def load(path, *a, **k):
+        barrier.wait()  # raises BrokenBarrierError unless all three reads run at once
+        return real(path, *a, **k)
+    store = adapter_store.AdapterStore(CFG, np.float32, page_size=16, max_rank=16, host_cache_size=1,
+                                       stage_workers=2)
+    for name in "abc":
+        store.register(name, paths[name])
+    store.resize_host_cache(1, None)
+    store.set_stage_workers(3)
+    monkeypatch.setattr(adapter_store, "load_peft_adapter", load)
+    store._rows.clear()
+    futures = []
+    for name in "abc":
+        assert store.stage(store.get(name))
+        futures.append(store._staging[store.get(name).file_id])
+    for f in futures:
+        f.result(timeout=30)  # raises if the barrier broke
+    assert store.disk_loads == 3
+    store.set_stage_workers(2)
+    barrier.reset()
+    store._rows.clear()
+    futures = [(store.stage(store.get(n)), store._staging[store.get(n).file_id])[1] for n in "abc"]
+    errors = [f.exception(timeout=30) for f in futures]
+    assert any(isinstance(e, threading.BrokenBarrierError) for e in errors), errors
+    with pytest.raises(ValueError, match="stage_workers"):
+        store.set_stage_workers(0)
+    with pytest.raises(ValueError, match="stage_workers"):
+        make_llm(paths, ("a",), page_size=16, pool_pages=BIG, stage_workers=0)
+
+
 def test_host_cache_byte_cap(paths):
     """The host cache drops least recently used files past its byte cap as well as its file
     count, keeps the newest file even when it alone is over the cap, and counts the bytes it
