@@ -77,6 +77,10 @@ def pairs(folder: Path) -> list[tuple[str, Path, Path, Path]]:
     return found
 
 
+def _pct(h: float | None) -> str:
+    return "n/a" if h is None else f"{h:.0%}"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", nargs="?", help="a results folder: pair its prefetch variants by name")
@@ -93,14 +97,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("give a results folder, or --ref, --on and --off")
     rows = []
     for name, ref, on, off in todo:
-        load = lambda p: json.loads(p.read_text())  # noqa: E731
         row = {"variant": name, "ref": ref.name, "on": on.name, "off": off.name,
-               **hidden_share(load(ref), load(on), load(off))}
+               **hidden_share(*(json.loads(p.read_text()) for p in (ref, on, off)))}
         rows.append(row)
-        pct = lambda h: "n/a" if h is None else f"{h:.0%}"  # noqa: E731
         print(f"{name}: cold cost on / off, mean {row['cost_on_mean_s']:.3f} / {row['cost_off_mean_s']:.3f} s, "
               f"median {row['cost_on_median_s']:.3f} / {row['cost_off_median_s']:.3f} s; prefetch hides "
-              f"{pct(row['hidden_mean'])} (mean), {pct(row['hidden_median'])} (median) over {row['requests']} requests")
+              f"{_pct(row['hidden_mean'])} (mean), {_pct(row['hidden_median'])} (median) over {row['requests']} requests")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows
