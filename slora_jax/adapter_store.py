@@ -67,8 +67,11 @@ def _pinned_host(x: np.ndarray):
 # Disk reads in flight at once (`stage`; EngineOptions.stage_workers): a read is mostly file I/O
 # and numpy casts, which release the GIL, so a few overlap; one alone fell behind S2's arrivals
 # with a small host cache, and 4 managed ~9 reads a second of 17-134 MB files on the H200's host
-# (bench/results/README.md, session 8), fewer than S2 asked for at 22 req/s.
-STAGE_WORKERS = 4
+# (bench/results/README.md, session 8), fewer than S2 asked for at 22 req/s. At 12 req/s, with a
+# host cache of 8 of 64 files, prefetch hid 81% of the disk cost (mean over requests) with 4 and
+# 88% with 8 on that 16-core host (session 9, bench/results/20261130-0e04f90/prefetch_report.json):
+# 8 where the machine has 16 cores or more, half the cores (at least 4) below that.
+STAGE_WORKERS = min(8, max(4, (os.cpu_count() or 8) // 2))
 
 
 def host_cache_bytes(gb: float | None) -> int:
