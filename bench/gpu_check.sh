@@ -79,10 +79,19 @@ if has sweep; then
   grep -E "^qkvo" "$OUT/sweep.log" | tail -30
 fi
 if has profile; then
-  timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
-    --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step.json" \
-    > "$OUT/profile_step.log" 2>&1
-  echo "profile_step rc=$?"
+  # PROFILE_BLOCKS: LoRA kernel settings (JSON merged into pallas_kernels.lora.BLOCKS through
+  # SLORA_LORA_BLOCKS), one profile each, in one call: profile_step.json for the first (or the
+  # defaults), profile_step-<i>.json for setting i > 0.
+  i=0
+  for cfg in ${PROFILE_BLOCKS:-'{}'}; do
+    tag=$([[ $i == 0 ]] && echo "" || echo "-$i")
+    SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
+      --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
+      > "$OUT/profile_step$tag.log" 2>&1
+    echo "profile_step $cfg rc=$?"
+    grep -v "^W1\|^I1" "$OUT/profile_step$tag.log" | grep -iE "lora|device|kernels" | tail -12
+    i=$((i + 1))
+  done
   # The GPU client's command-buffer (CUDA graph) flags and their defaults, beside the profile:
   # whether a step's kernels go out as graphs or one launch at a time.
   { echo "== XLA GPU flags (command buffers, graphs)"
@@ -90,5 +99,5 @@ if has profile; then
       | grep -iE "command_buffer|graph" ; } >> "$OUT/profile_step.log"
   grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -60
 fi
-xla_cache_save
+[[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
 exit $rc

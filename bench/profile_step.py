@@ -32,6 +32,7 @@ import jax  # noqa: E402
 
 from bench.engine_bench import decode_batch, randomize_pool, set_backends  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
+from pallas_kernels import lora as lora_kernels  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
 from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
@@ -180,7 +181,9 @@ def main() -> None:
         names.append(f"lora-{i}")
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
-              "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks, "runs": []}
+              "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
+              "lora_blocks": lora_kernels.BLOCKS, "slora_lora_blocks": os.environ.get("SLORA_LORA_BLOCKS"),
+              "runs": []}
     for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
         reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
