@@ -75,9 +75,16 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False, tiles_inside=False, hoist_rows=False),
+                   static_split=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True),
 }
+# Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
+# median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
+# looping over its slot's live rank tiles instead of one program per (slot block, rank tile)
+# (68.7 / 56.0 / 142.2; with rank_tile 32: 44.3 / 42.1 / 130.0), and reading A^T's row indices once
+# per rank tile where fin == W (53.1 / 58.2 / 127.1). In the engine's step (B 128 x 110 adapters)
+# both together took the q/k/v shrink from 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
+
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
 def _merge_blocks(text: str) -> None:
@@ -120,45 +127,31 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
-                   slots, tiles, module_cols, max_rank, static_split=False, tiles_inside=False,
-                   hoist_rows=False):
+                   slots, tiles, module_cols, max_rank, static_split=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
-    # tiles_inside: axis 1 walks modules only, and each program loops over its slot's live rank
-    # tiles (ceil(r / rank_tile), a traced trip count): no program exists for a dead tile.
-    # hoist_rows (fin == width only): A^T row j of slot s is pool row a_rows[s, j] whole, so the
-    # row indices are read once per rank tile instead of once per column chunk.
     p, gk = pl.program_id(0), pl.program_id(1)
-    if tiles_inside:
-        g, k_fixed = gk, None
-    else:
-        g, k_fixed = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # k: this program's rank tile
+    g, k = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # k: this program's rank tile of module g
     q = pl.program_id(2)                       # q: this program's share of the `in` columns
     n_chunks = fin // col_tile
     per_split = -(-n_chunks // split_k)
-    hoist = hoist_rows and fin == width
 
     def block(b):
         s0, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
         s = g * slots + s0                     # module g's row of slot s0
         r = jnp.minimum(ranks_ref[s], max_rank)  # clamped here, not by an XLA op per call
-        tok_live = start + jnp.arange(block_t) < end
 
-        def tile(k):
+        @pl.when(k * rank_tile < r)
+        def _():
+            tok_live = start + jnp.arange(block_t) < end
             j = k * rank_tile + jnp.arange(rank_tile)          # A^T rows (rank columns of xa)
             j_live = j < r
-            j_safe = jnp.where(j_live, j, 0)
-            first = j_safe * fin                               # A^T row j starts at flat j * fin
-            rid = a_rows_ref[s, j_safe] if hoist else None     # its pool row, whole
+            first = jnp.where(j_live, j, 0) * fin              # A^T row j starts at flat j * fin
 
             def chunk(c, acc):
                 col = c * col_tile
-                if hoist:
-                    first_col = pl.multiple_of(col + jnp.zeros((rank_tile,), jnp.int32), col_tile)
-                    at = rows_ref[rid[:, None], first_col[:, None] + jnp.arange(col_tile)[None, :]]
-                else:
-                    at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
+                at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
                 at = jnp.where(j_live[:, None], at, 0).astype(dtype)         # [rank_tile, C]
                 xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
                                 mask=tok_live[:, None], other=0).astype(dtype)  # [block_t, C]
@@ -174,23 +167,15 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 lo = q * per_split
                 acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_chunks), chunk, zero)
             cols = pl.ds(g * module_cols + k * rank_tile, rank_tile)
-            tile_ref = xa_ref.at[pl.ds(start, block_t), cols]
+            tile = xa_ref.at[pl.ds(start, block_t), cols]
             mask = tok_live[:, None] & j_live[None, :]
             if split_k == 1:
-                plgpu.store(tile_ref, acc, mask=mask)
+                plgpu.store(tile, acc, mask=mask)
             else:  # partial sums over column ranges meet in the zeroed xa (padded to whole
                 # tiles, so no block's tile runs past it); dead entries add zero
                 acc = jnp.where(mask, acc, 0.0)
                 plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), cols), acc,
                                  mask=None if interpret else mask)  # interpret mode: no masks
-
-        if tiles_inside:
-            def one_tile(k, carry):
-                tile(k)
-                return carry
-            jax.lax.fori_loop(0, jax.lax.div(r + rank_tile - 1, rank_tile), one_tile, 0)
-        else:
-            pl.when(k_fixed * rank_tile < r)(lambda: tile(k_fixed))
 
     _blocks(p, n_programs, total_ref, block)
 
@@ -336,13 +321,11 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         col_tile=col_tile, fin=in_features, width=width,
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
-        static_split=blocks.get("static_split", False), tiles_inside=blocks.get("tiles_inside", False),
-        hoist_rows=blocks.get("hoist_rows", False))
+        static_split=blocks.get("static_split", False))
     shape = (rows_out, n_modules * module_cols)
-    axis1 = n_modules if blocks.get("tiles_inside", False) else n_modules * tiles
     return pl.pallas_call(
         kernel,
-        grid=(n_programs, axis1, split_k),
+        grid=(n_programs, n_modules * tiles, split_k),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},  # written only where live: the rest stays zero
         interpret=interpret,

@@ -318,19 +318,11 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"split_k": 3, "static_split": True}},   # 3 does not divide 4: the traced loop
     {"expand": {"y_first": False}},
     {"shrink": {"rank_tile": 32, "split_k": 2, "static_split": True}, "expand": {"rank_tile": 32}},
-    {"shrink": {"tiles_inside": True}},                 # a program loops over its slot's rank tiles
-    {"shrink": {"tiles_inside": True, "split_k": 1}},
-    # fin == width: A^T rows are whole pool rows, their indices read once per rank tile
-    {"shrink": {"hoist_rows": True, "col_tile": 32}, "width": 128},
-    {"shrink": {"hoist_rows": True, "tiles_inside": True, "col_tile": 32, "split_k": 3}, "width": 128},
-], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "tiles_inside", "tiles_inside_k1",
-        "hoist_rows", "hoist_rows_tiles_inside"])
+], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
-    blocks = dict(blocks)
-    # four 32-column chunks (width 128: a pool row holds one A^T row whole)
-    case = dataclasses.replace(CASES["mixed"], fin=128, width=blocks.pop("width", CASES["mixed"].width))
+    case = dataclasses.replace(CASES["mixed"], fin=128)  # four 32-column chunks
     for kind, over in blocks.items():
         monkeypatch.setitem(lora.BLOCKS, kind, {**lora.BLOCKS[kind], **over})
     jax.clear_caches()  # BLOCKS is read at trace time
@@ -381,8 +373,8 @@ def test_blocks_from_environment():
     a process it does not drive; an unknown setting fails loudly instead of timing the defaults."""
     import subprocess
     import sys
-    code = "from pallas_kernels import lora; print(lora.BLOCKS['shrink']['tiles_inside'], lora.BLOCKS['shrink']['split_k'])"
-    env = {**os.environ, "SLORA_LORA_BLOCKS": '{"shrink": {"tiles_inside": true}}', "JAX_PLATFORMS": "cpu"}
+    code = "from pallas_kernels import lora; print(lora.BLOCKS['shrink']['static_split'], lora.BLOCKS['shrink']['split_k'])"
+    env = {**os.environ, "SLORA_LORA_BLOCKS": '{"shrink": {"static_split": true}}', "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", str(lora.BLOCKS["shrink"]["split_k"])]
     env["SLORA_LORA_BLOCKS"] = '{"shrink": {"no_such_setting": 1}}'
