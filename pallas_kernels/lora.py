@@ -75,8 +75,8 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False),
-    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True),
+                   static_split=False, prefetch_next=False),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -84,6 +84,11 @@ BLOCKS = {
 # (68.7 / 56.0 / 142.2; with rank_tile 32: 44.3 / 42.1 / 130.0), and reading A^T's row indices once
 # per rank tile where fin == W (53.1 / 58.2 / 127.1). In the engine's step (B 128 x 110 adapters)
 # both together took the q/k/v shrink from 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
+
+# prefetch_next (shrink and expand; off, not yet timed on a GPU): a manual two-stage pipeline in the
+# column-chunk (shrink) and rank-tile (expand) loops, the next trip's gathers issued before this
+# trip's product (`_loop`). Why try it: the kernels are latency-bound per program (fewer, longer
+# programs lost above; y_first, which moves a load ahead, won).
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
@@ -116,6 +121,22 @@ def _blocks(p, n_programs, total_ref, body):
     jax.lax.fori_loop(0, trips, one, 0)
 
 
+def _loop(lo, hi, load, use, acc, prefetch: bool):
+    """acc after acc = use(load(i), acc) for i in [lo, hi). prefetch: a manual two-stage pipeline,
+    the loads of i + 1 issued before the product of i and carried into the next trip, so their
+    latency overlaps it (load(lo) is issued even for an empty range: load must accept lo then)."""
+    if not prefetch:
+        return jax.lax.fori_loop(lo, hi, lambda i, a: use(load(i), a), acc)
+
+    def trip(i, carry):
+        a, cur = carry
+        nxt = load(i + 1)
+        return use(cur, a), nxt
+
+    acc2, cur = jax.lax.fori_loop(lo, hi - 1, trip, (acc, load(lo)))
+    return jnp.where(hi > lo, use(cur, acc2), acc2)
+
+
 def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
     """[len(flat), C]: the C elements at each flat offset of slot s's row stream. C divides W and
     the matrix width, so a tile never straddles two pool rows."""
@@ -127,7 +148,7 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
-                   slots, tiles, module_cols, max_rank, static_split=False):
+                   slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -149,23 +170,29 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
             j_live = j < r
             first = jnp.where(j_live, j, 0) * fin              # A^T row j starts at flat j * fin
 
-            def chunk(c, acc):
+            def load(c):
+                if prefetch_next:  # an empty split's first load reads the last chunk (not used)
+                    c = jnp.minimum(c, n_chunks - 1)
                 col = c * col_tile
                 at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
                 at = jnp.where(j_live[:, None], at, 0).astype(dtype)         # [rank_tile, C]
                 xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
                                 mask=tok_live[:, None], other=0).astype(dtype)  # [block_t, C]
+                return at, xt
+
+            def use(tiles, acc):
+                at, xt = tiles
                 return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
 
             zero = jnp.zeros((block_t, rank_tile), jnp.float32)
             if split_k == 1:  # static bounds: the loop the kernel had before split_k
-                acc = jax.lax.fori_loop(0, n_chunks, chunk, zero)
+                acc = _loop(0, n_chunks, load, use, zero, prefetch_next)
             elif static_split and n_chunks % split_k == 0:  # static trip count, traced offset
-                acc = jax.lax.fori_loop(0, per_split, lambda c, a: chunk(q * per_split + c, a), zero)
+                acc = _loop(0, per_split, lambda c: load(q * per_split + c), use, zero, prefetch_next)
             else:
                 lo = q * per_split
-                acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_chunks), chunk, zero)
+                acc = _loop(lo, jnp.minimum(lo + per_split, n_chunks), load, use, zero, prefetch_next)
             cols = pl.ds(g * module_cols + k * rank_tile, rank_tile)
             tile = xa_ref.at[pl.ds(start, block_t), cols]
             mask = tok_live[:, None] & j_live[None, :]
@@ -181,7 +208,8 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
 
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
-                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False):
+                   n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False,
+                   prefetch_next=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
     col = o * col_tile
@@ -191,7 +219,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
         r = jnp.minimum(ranks_ref[s], max_rank)
         tok_live = start + jnp.arange(block_t) < end
 
-        def rank_tile_step(kt, acc):
+        def load(kt):  # rank tile kt; past the rank every row is masked (a prefetch reads nothing)
             j = kt * rank_tile + jnp.arange(rank_tile)         # B rows
             j_live = j < r
             bt = _gather_tile(rows_ref, b_rows_ref, s, jnp.where(j_live, j, 0) * fout + col, width,
@@ -199,6 +227,10 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
             bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
             xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
                              mask=tok_live[:, None] & j_live[None, :], other=0).astype(dtype)
+            return bt, xat
+
+        def use(tiles, acc):
+            bt, xat = tiles
             return acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())),
                                              preferred_element_type=jnp.float32)
 
@@ -206,8 +238,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
         if y_first:
             y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         trips = jax.lax.div(r + rank_tile - 1, rank_tile)
-        acc = jax.lax.fori_loop(0, trips, rank_tile_step,
-                                jnp.zeros((block_t, col_tile), jnp.float32))
+        acc = _loop(0, trips, load, use, jnp.zeros((block_t, col_tile), jnp.float32), prefetch_next)
         if not y_first:
             y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
@@ -321,7 +352,7 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         col_tile=col_tile, fin=in_features, width=width,
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
-        static_split=blocks.get("static_split", False))
+        static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False))
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
@@ -347,7 +378,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
-        y_first=blocks.get("y_first", False))
+        y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False))
     return pl.pallas_call(
         kernel,
         grid=(n_programs, out_features // col_tile),

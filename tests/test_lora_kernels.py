@@ -318,7 +318,12 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"split_k": 3, "static_split": True}},   # 3 does not divide 4: the traced loop
     {"expand": {"y_first": False}},
     {"shrink": {"rank_tile": 32, "split_k": 2, "static_split": True}, "expand": {"rank_tile": 32}},
-], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32"])
+    {"shrink": {"prefetch_next": True}, "expand": {"prefetch_next": True}},
+    {"shrink": {"prefetch_next": True, "split_k": 3}},  # the last split gets 0 chunks of 4 (2, 2, 0)
+    {"shrink": {"prefetch_next": True, "split_k": 1}},  # static bounds
+    {"shrink": {"prefetch_next": True, "split_k": 2, "static_split": True}},
+], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
+        "prefetch_next_k1", "prefetch_next_static"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
