@@ -75,15 +75,17 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False, prefetch_next=False),
+                   static_split=False, prefetch_next=False, hoist_rows=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
 # looping over its slot's live rank tiles instead of one program per (slot block, rank tile)
 # (68.7 / 56.0 / 142.2; with rank_tile 32: 44.3 / 42.1 / 130.0), and reading A^T's row indices once
-# per rank tile where fin == W (53.1 / 58.2 / 127.1). In the engine's step (B 128 x 110 adapters)
-# both together took the q/k/v shrink from 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
+# per rank tile where fin == W (53.1 / 58.2 / 127.1; kept as `hoist_rows`, off: the micro sweep's
+# noise, +-15-30% between calls, is too large to judge it, and the engine profile has not timed it
+# alone). In the engine's step (B 128 x 110 adapters) both together took the q/k/v shrink from
+# 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
 
 # prefetch_next (shrink and expand; off, not yet timed on a GPU): a manual two-stage pipeline in the
 # column-chunk (shrink) and rank-tile (expand) loops, the next trip's gathers issued before this
@@ -137,10 +139,12 @@ def _loop(lo, hi, load, use, acc, prefetch: bool):
     return jnp.where(hi > lo, use(cur, acc2), acc2)
 
 
-def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
+def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile, rid=None):
     """[len(flat), C]: the C elements at each flat offset of slot s's row stream. C divides W and
-    the matrix width, so a tile never straddles two pool rows."""
-    rid = idx_ref[s, jax.lax.div(flat, width)]
+    the matrix width, so a tile never straddles two pool rows. rid: the offsets' pool rows, if the
+    caller has them."""
+    if rid is None:
+        rid = idx_ref[s, jax.lax.div(flat, width)]
     first_col = pl.multiple_of(jax.lax.rem(flat, width), col_tile)  # lets Triton vectorise the load
     cols = first_col[:, None] + jnp.arange(col_tile)[None, :]
     return rows_ref[rid[:, None], cols]
@@ -148,7 +152,8 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile):
 
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
-                   slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False):
+                   slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
+                   hoist_rows=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -169,12 +174,18 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
             j = k * rank_tile + jnp.arange(rank_tile)          # A^T rows (rank columns of xa)
             j_live = j < r
             first = jnp.where(j_live, j, 0) * fin              # A^T row j starts at flat j * fin
+            # hoist_rows, where fin == W: A^T row j is pool row a_rows[s, j] whole, so its row
+            # indices are read once here instead of once per column chunk
+            rid = a_rows_ref[s, jnp.where(j_live, j, 0)] if hoist_rows and fin == width else None
 
             def load(c):
                 if prefetch_next:  # an empty split's first load reads the last chunk (not used)
                     c = jnp.minimum(c, n_chunks - 1)
                 col = c * col_tile
-                at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
+                if rid is None:
+                    at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
+                else:
+                    at = _gather_tile(rows_ref, None, s, first + col, width, col_tile, rid=rid)
                 at = jnp.where(j_live[:, None], at, 0).astype(dtype)         # [rank_tile, C]
                 xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
                                 mask=tok_live[:, None], other=0).astype(dtype)  # [block_t, C]
@@ -352,7 +363,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         col_tile=col_tile, fin=in_features, width=width,
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
-        static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False))
+        static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
+        hoist_rows=blocks.get("hoist_rows", False))
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,

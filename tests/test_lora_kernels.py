@@ -322,12 +322,17 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"prefetch_next": True, "split_k": 3}},  # the last split gets 0 chunks of 4 (2, 2, 0)
     {"shrink": {"prefetch_next": True, "split_k": 1}},  # static bounds
     {"shrink": {"prefetch_next": True, "split_k": 2, "static_split": True}},
+    # fin == width: an A^T row is one pool row, its indices read once per rank tile
+    {"shrink": {"hoist_rows": True, "col_tile": 32}, "width": 128},
+    {"shrink": {"hoist_rows": True, "col_tile": 32, "prefetch_next": True, "split_k": 3}, "width": 128},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
-        "prefetch_next_k1", "prefetch_next_static"])
+        "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
-    case = dataclasses.replace(CASES["mixed"], fin=128)  # four 32-column chunks
+    blocks = dict(blocks)
+    # four 32-column chunks (with width 128, a pool row holds an A^T row whole)
+    case = dataclasses.replace(CASES["mixed"], fin=128, width=blocks.pop("width", CASES["mixed"].width))
     for kind, over in blocks.items():
         monkeypatch.setitem(lora.BLOCKS, kind, {**lora.BLOCKS[kind], **over})
     jax.clear_caches()  # BLOCKS is read at trace time
