@@ -205,6 +205,11 @@ class AdapterStore:
             self._staging[fid] = self._stager.submit(self._read, entry)
             return True
 
+    def in_host_cache(self, entry: AdapterEntry) -> bool:
+        """Whether entry's packed rows sit in host memory (a page-in needs no disk read)."""
+        with self._lock:
+            return entry.file_id in self._rows
+
     def ready(self, entry: AdapterEntry) -> bool:
         """False while a read `stage` started for entry's file is still running: paging it in now
         would wait for the disk."""

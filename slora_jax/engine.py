@@ -8,6 +8,7 @@ while the device runs it, copies in the adapters the scheduler predicts the next
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -304,6 +305,18 @@ class Engine:
 
     def busy_adapters(self) -> set[str]:
         return {r.adapter_name for r in [*self.running, *self.waiting] if r.adapter_name is not None}
+
+    def adapter_status(self) -> list[dict]:
+        """Each registered adapter, by name: where its weights are (in the device pool, in host
+        memory) and how many requests for it run and wait. What a router needs to send a request
+        where its adapter is warm."""
+        running = collections.Counter(r.adapter_name for r in self.running)
+        waiting = collections.Counter(r.adapter_name for r in self.waiting)
+        return [{"name": name, "version": e.version, "path": e.path,
+                 "ranks": {m: slot.rank for m, slot in e.layout.modules.items()}, "pages": e.layout.pages,
+                 "resident": self.pool.is_resident(e.key), "host_cached": self.store.in_host_cache(e),
+                 "running": running[name], "waiting": waiting[name]}
+                for name, e in sorted(self.store.entries.items())]
 
     def abort(self, rid: str, why: str = "aborted") -> None:
         self.sched.abort(rid, why)

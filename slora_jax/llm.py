@@ -85,6 +85,11 @@ class LLM:
     def adapters(self) -> list[str]:
         return sorted(self.store.entries)
 
+    def adapter_status(self) -> list[dict]:
+        """Per registered adapter: version, path, ranks by module, pages, whether it is resident in
+        the device pool and cached in host memory, and its running and waiting requests."""
+        return self.engine.adapter_status()
+
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,

@@ -5,6 +5,8 @@ Endpoints (vLLM's names and shapes where vLLM has them):
     POST /v1/completions          prompt: str | [str] | [int] | [[int]]; stream: true -> SSE
     POST /v1/chat/completions     messages through the chat template; stream: true -> SSE
     GET  /v1/models               the base model and every registered adapter
+    GET  /v1/adapters             per adapter: ranks, pages, resident in the device pool, cached in
+                                  host memory, running and waiting requests (for routers)
     POST /v1/load_lora_adapter    {"lora_name", "lora_path", "load_inplace"?}; paths must be under
                                   --allowed-adapter-dirs (after resolving symlinks)
     POST /v1/unload_lora_adapter  {"lora_name"}; refused (400) while the adapter has requests
@@ -877,6 +879,16 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
             data.append({"id": name, "object": "model", "created": srv.created, "owned_by": "slora-jax",
                          "root": entry.path, "parent": srv.base, "max_model_len": srv.limits.max_model_len})
         return {"object": "list", "data": data}
+
+    @app.get("/v1/adapters")
+    async def adapters():
+        """Each adapter's place (device pool, host memory) and its running and waiting requests:
+        for a router that sends a request where its adapter is already warm."""
+        try:
+            data = await srv.engine.call(srv.llm.adapter_status)
+        except EngineError as e:
+            raise from_engine_error(e) from None
+        return {"object": "list", "data": [{"object": "lora_adapter", **a} for a in data]}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):

@@ -1139,3 +1139,35 @@ def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
         assert (max(groups, default=0) == 3) == grouped, groups
         assert all(st == (g > 1) for g, st in zip(groups, host_stacked)), (groups, host_stacked)
         assert_drained(engine)
+
+
+def test_adapter_status_for_routers(paths):
+    """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
+    it is resident in the device pool and cached in host memory, and its running and waiting
+    requests, as a request for it waits, runs and finishes."""
+    from slora_jax.config import TARGET_MODULES
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1)
+    status = {a["name"]: a for a in engine.adapter_status()}
+    assert list(status) == ["a", "b", "c", "d"]
+    assert status["a"]["ranks"] == {m: 8 for m in TARGET_MODULES}
+    assert status["b"]["ranks"] == {"q_proj": 4, "v_proj": 4}
+    assert status["c"]["pages"] > status["d"]["pages"] > 0
+    assert not any(a["resident"] or a["running"] or a["waiting"] for a in status.values())
+    assert sum(a["host_cached"] for a in status.values()) == 1  # a host cache of one file
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    eng = engine.engine
+    out = eng.add_request(W_PROMPTS[1], sp, "b", 0, CFG.eos_token_ids)
+    b = {a["name"]: a for a in engine.adapter_status()}["b"]
+    assert (b["running"], b["waiting"]) == (0, 1)
+    while not out.token_ids:
+        eng.step()
+    status = {a["name"]: a for a in engine.adapter_status()}
+    assert (status["b"]["running"], status["b"]["waiting"]) == (1, 0)
+    assert status["b"]["resident"] and status["b"]["host_cached"]
+    while eng.has_unfinished():
+        eng.step()
+    status = {a["name"]: a for a in engine.adapter_status()}
+    assert status["b"]["resident"] and status["b"]["running"] == 0  # idle in the pool until evicted
+    assert [n for n, a in status.items() if a["resident"]] == ["b"]
+    assert_drained(engine)

@@ -144,6 +144,22 @@ def test_models_and_health(live, client):
     assert httpx.get(st.url + "/health").status_code == 200
 
 
+def test_adapter_status_endpoint(live, client):
+    """GET /v1/adapters lists every adapter with where its weights are and its requests; an adapter
+    that just served a request is resident in the device pool."""
+    st, srv = live
+    client.completions.create(model=ADAPTERS[1], prompt=text(0), max_tokens=2, temperature=0)
+    r = httpx.get(st.url + "/v1/adapters")
+    assert r.status_code == 200
+    data = {a["name"]: a for a in r.json()["data"]}
+    assert list(data) == sorted(ADAPTERS)
+    for name, a in data.items():
+        assert a["object"] == "lora_adapter" and a["pages"] > 0 and a["ranks"], a
+        assert a["running"] == a["waiting"] == 0, a  # nothing in flight between requests
+    assert data[ADAPTERS[1]]["resident"], data[ADAPTERS[1]]
+    assert data == {a["name"]: {"object": "lora_adapter", **a} for a in srv.llm.adapter_status()}
+
+
 def test_completions_match_generate(live, client):
     st, srv = live
     for i, m in enumerate([None, ADAPTERS[0], ADAPTERS[3]]):
