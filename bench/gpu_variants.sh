@@ -81,19 +81,23 @@ case $group in
     # on or off; from disk the reads outran what 4 stage threads managed (~9 a second for the
     # ~15 asked), and prefetch hid 51% (mean) / 77% (median). So the rate here is one the disk
     # path can keep up with (~0.57 reads a request at a cache of 8 of 64 files: ~7 a second at 12).
-    # 1: the reference: prefetch on, every file in the host cache (S-LoRA's setting).
-    # 2-3: a host cache of 8 files, prefetch on (reads start on arrival) and off (the step loop
+    # Session 9 (12 and 16 req/s): prefetch hid 81% (mean) / 85% (median) at 12 with 4 stage
+    # threads and 88% / 91% with 8, now the default on a host of 16+ cores.
+    # 1-2: the references at both rates: prefetch on, every file in the host cache (S-LoRA's
+    #      setting). They run first: a run after a host-cache-8 variant starts with 8 files cached
+    #      and re-reads the rest from disk (session 9's R 16 reference read 18 files).
+    # 3-4: a host cache of 8 files, prefetch on (reads start on arrival) and off (the step loop
     #      reads at admission).
-    # 4: as 2 with 8 stage threads (stage_workers; the GPU host has 16 cores).
-    # 5-7: 1-3 at 16 req/s.
+    # 5: as 3 with 4 stage threads (the default before session 9).
+    # 6-7: 3-4 at the second rate.
     r=${PREFETCH_RATE:-12}; r2=${PREFETCH_RATE2:-16}
     "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --duration-s 30 \
       --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 \
       --variant "S2-n1000-f16-prefetch-on-R$r:--rate $r" \
+      --variant "S2-n1000-f16-prefetch-on-R$r2:--rate $r2" \
       --variant "S2-n1000-f16-prefetch-on-R$r-disk:--rate $r --engine host_cache_size=8" \
       --variant "S2-n1000-f16-prefetch-off-R$r-disk:--rate $r --engine prefetch_adapters=0 --engine host_cache_size=8" \
-      --variant "S2-n1000-f16-prefetch-on-R$r-disk-w8:--rate $r --engine host_cache_size=8 --engine stage_workers=8" \
-      --variant "S2-n1000-f16-prefetch-on-R$r2:--rate $r2" \
+      --variant "S2-n1000-f16-prefetch-on-R$r-disk-w4:--rate $r --engine host_cache_size=8 --engine stage_workers=4" \
       --variant "S2-n1000-f16-prefetch-on-R$r2-disk:--rate $r2 --engine host_cache_size=8" \
       --variant "S2-n1000-f16-prefetch-off-R$r2-disk:--rate $r2 --engine prefetch_adapters=0 --engine host_cache_size=8" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
