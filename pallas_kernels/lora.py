@@ -75,7 +75,7 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False, prefetch_next=False, hoist_rows=False),
+                   static_split=False, prefetch_next=False, hoist_rows=False, compact_tiles=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
@@ -91,6 +91,11 @@ BLOCKS = {
 # column-chunk (shrink) and rank-tile (expand) loops, the next trip's gathers issued before this
 # trip's product (`_loop`). Why try it: the kernels are latency-bound per program (fewer, longer
 # programs lost above; y_first, which moves a load ahead, won).
+
+# compact_tiles (shrink; off, not yet timed on a GPU): one program per live (block, rank tile)
+# item instead of one per (block, every rank tile), about half of which exit at once with ranks
+# 8-64 (the shrink schedule is then built in the graph, `_tile_schedule`). Why try it: more and
+# shorter programs won (split_k 4 over 1), fewer and longer lost (tiles_inside).
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
@@ -153,18 +158,24 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile, rid=None):
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
-                   hoist_rows=False):
+                   hoist_rows=False, compact_tiles=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
+    # compact_tiles: the schedule lists (block, rank tile) items of live tiles only (row 3: the
+    # tile, `_tile_schedule`) and axis 1 walks modules: no program exists for a dead tile.
     p, gk = pl.program_id(0), pl.program_id(1)
-    g, k = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # k: this program's rank tile of module g
+    if compact_tiles:
+        g, k_fixed = gk, None
+    else:
+        g, k_fixed = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # this program's rank tile of module g
     q = pl.program_id(2)                       # q: this program's share of the `in` columns
     n_chunks = fin // col_tile
     per_split = -(-n_chunks // split_k)
 
     def block(b):
         s0, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+        k = sched_ref[3, b] if compact_tiles else k_fixed
         s = g * slots + s0                     # module g's row of slot s0
         r = jnp.minimum(ranks_ref[s], max_rank)  # clamped here, not by an XLA op per call
 
@@ -280,6 +291,30 @@ def _block_schedule(ranks, seg_starts, t: int, block_t: int):
     return sched, ends[-1:].astype(jnp.int32), nb
 
 
+def _tile_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int, max_rank: int):
+    """The live (block, rank tile) items of all slots, back to back: sched [4, NI] = (slot, first
+    token, segment end, rank tile) and total [1]; a slot of rank r has ceil(min(r, max_rank) /
+    rank_tile) tiles in each of its blocks. NI = NB * tiles bounds the items (NB as in
+    _block_schedule). Built in the graph (a few small XLA ops a call) for the compact_tiles
+    experiment; the host would build it if it wins."""
+    sa = ranks.shape[0]
+    tiles = -(-max_rank // rank_tile)
+    seg_starts = jnp.clip(seg_starts, 0, t)
+    lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
+    nblk = jnp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
+    ntile = (jnp.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
+    items = nblk * ntile
+    ends = jnp.cumsum(items)
+    ni = max(1, (t + sa * (block_t - 1)) // block_t) * tiles
+    i = jnp.arange(ni, dtype=jnp.int32)
+    slot = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), sa - 1).astype(jnp.int32)
+    local = i - (ends[slot] - items[slot])
+    per = jnp.maximum(ntile[slot], 1)
+    start = seg_starts[slot] + (local // per) * block_t
+    sched = jnp.stack([slot, start, seg_starts[slot + 1], local % per]).astype(jnp.int32)
+    return sched, ends[-1:].astype(jnp.int32), ni
+
+
 def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T):
     """`_block_schedule` on the host (numpy): (sched [3, NB], total [1]) int32, the same arrays.
     The engine builds it once per step and module while it builds the step's other inputs, and
@@ -349,9 +384,15 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     a_rows, ranks = (a_rows, ranks) if grouped else (a_rows[None], ranks[None])
     n_modules, slots = ranks.shape
     # The slots live in any module (a reduction only where the schedule is built here).
-    live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
-    _, sched, total, nb, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t,
-                                                   max_programs, schedule, clamp=False)
+    compact = blocks.get("compact_tiles", False)
+    if compact:  # the live tiles of the union of the modules' ranks (the given schedule unused)
+        union = ranks.max(axis=0).astype(jnp.int32) if n_modules > 1 else ranks[0].astype(jnp.int32)
+        sched, total, ni = _tile_schedule(union, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
+        n_programs = min(ni, max_programs)
+    else:
+        live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
+        _, sched, total, nb, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t,
+                                                       max_programs, schedule, clamp=False)
     ranks = ranks.astype(jnp.int32).reshape(-1)  # clamped in the kernel
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
@@ -364,11 +405,11 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
         static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
-        hoist_rows=blocks.get("hoist_rows", False))
+        hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact)
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
-        grid=(n_programs, n_modules * tiles, split_k),
+        grid=(n_programs, n_modules if compact else n_modules * tiles, split_k),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},  # written only where live: the rest stays zero
         interpret=interpret,

@@ -325,8 +325,12 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     # fin == width: an A^T row is one pool row, its indices read once per rank tile
     {"shrink": {"hoist_rows": True, "col_tile": 32}, "width": 128},
     {"shrink": {"hoist_rows": True, "col_tile": 32, "prefetch_next": True, "split_k": 3}, "width": 128},
+    {"shrink": {"compact_tiles": True}},                # one program per live (block, rank tile)
+    {"shrink": {"compact_tiles": True, "split_k": 1}},
+    {"shrink": {"compact_tiles": True, "rank_tile": 32}, "expand": {"rank_tile": 32}},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
-        "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next"])
+        "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
+        "compact_tiles_k1", "compact_tiles_rank_tile_32"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
@@ -347,11 +351,13 @@ def test_block_variants_match_dense(monkeypatch, blocks):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_grouped_apply_matches_each_module(monkeypatch, split_k):
+@pytest.mark.parametrize("split_k,compact", [(1, False), (4, False), (4, True)], ids=["k1", "k4", "k4_compact_tiles"])
+def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
     """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
-    a slot that only some modules have, one shrink launch: each y gets its own module's delta."""
-    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k})
+    a slot that only some modules have, one shrink launch: each y gets its own module's delta.
+    compact_tiles: the shrink's items are the live tiles of the modules' largest rank per slot."""
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k,
+                                                "compact_tiles": compact})
     jax.clear_caches()  # BLOCKS is read at trace time
     try:
         lens = (1, 5, 0, 13, 9, 3)
