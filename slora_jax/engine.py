@@ -79,6 +79,12 @@ class EngineOptions(SchedulerOptions):
     # one-hot path (xla), one with more the Pallas kernel. One-hot work grows with slots x batch
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
     lora_hybrid_slots: int = 32
+    # Tokens per block of the LoRA kernels in prefill steps (a power of two >= 16; decode steps use
+    # 16). A block is the dot's M side and re-reads its adapter's A and B tiles, so prompts of
+    # hundreds of tokens do 4x fewer re-reads and larger dots at 64. Not yet timed on the GPU: 16
+    # until measured. (Session 9's serving trace of S2: a unified prefill step took 38.3 ms
+    # against the base model's 24.0.)
+    prefill_lora_block_t: int = 16
     # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
     # H200, engine decode step, ctx 512 (bench/results/20261129-ecdfac3): B 64 x 64 adapters
     # 16.73 -> 16.15 ms, B 256 x 256 38.25 -> 37.31 ms; the profile at B 128 x 110 adapters: LoRA
@@ -146,6 +152,9 @@ class EngineOptions(SchedulerOptions):
         h = self.lora_hybrid_slots
         if isinstance(h, bool) or not isinstance(h, int) or h < 8 or h & (h - 1):
             raise ValueError(f"lora_hybrid_slots must be a power of two >= 8, got {h!r}")
+        bt = self.prefill_lora_block_t
+        if isinstance(bt, bool) or not isinstance(bt, int) or bt < 16 or bt & (bt - 1):
+            raise ValueError(f"prefill_lora_block_t must be a power of two >= 16, got {bt!r}")
         for name in ("lora_backend", "prefill_lora_backend"):
             value = getattr(self, name)
             allowed = ("xla", "pallas", "triton", "hybrid") if name == "lora_backend" else ("xla", "pallas", "triton")
@@ -571,7 +580,7 @@ class Engine:
             ranks = {m: rk for m, (_, _, rk) in arrays.items()}
             lora = self._make_lora_inputs(t, np.full(t, -1, np.int32), seg_starts,
                                           {m: (a, b) for m, (a, b, _) in arrays.items()}, ranks,
-                                          self._step_backend(sa, decode))
+                                          self._step_backend(sa, decode), decode)
         fed = dict(token_src=np.full(t, -1, np.int32), prev_results=self._prev_results) \
             if self.opts.overlap_steps else {}
         return paged.StepInputs(tokens=zeros, positions=zeros, kv_slot=zeros, **fed,
@@ -714,20 +723,22 @@ class Engine:
                             np.ascontiguousarray(table[:, at + ra:at + ra + rb]))
             ranks[module] = np.ascontiguousarray(table[:, at + ra + rb])
             at += ra + rb + 1
-        return self._make_lora_inputs(t, token_slot, seg_starts, rows, ranks, backend)
+        return self._make_lora_inputs(t, token_slot, seg_starts, rows, ranks, backend, decode)
 
     def _make_lora_inputs(self, t: int, token_slot, seg_starts, rows: dict, ranks: dict,
-                          backend: str) -> paged.LoraInputs:
+                          backend: str, decode: bool) -> paged.LoraInputs:
         """LoraInputs of a step (live or null): q/k/v stacked for the grouped shrink, schedules."""
         group = self.opts.lora_group_qkv
+        block_t = paged.LORA_BLOCK_T if decode else self.opts.prefill_lora_block_t
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
-                                schedules=self._schedules(ranks, seg_starts, t, backend, group))
+                                schedules=self._schedules(ranks, seg_starts, t, backend, group, block_t),
+                                block_t=block_t)
 
     @staticmethod
     def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str,
-                   group_qkv: bool = False) -> dict | None:
+                   group_qkv: bool = False, block_t: int = paged.LORA_BLOCK_T) -> dict | None:
         """The kernels' block schedule of each module, built here on the host (one per distinct
         set of slots that target the module) instead of by small XLA ops at every kernel call,
         and with group_qkv one under "qkv" for the slots of any of q, k and v; None for the
@@ -742,7 +753,7 @@ class Engine:
         for module, mask in masks.items():
             key = mask.tobytes()
             if key not in seen:
-                seen[key] = block_schedule(mask.astype(np.int32), seg_starts, t)
+                seen[key] = block_schedule(mask.astype(np.int32), seg_starts, t, block_t)
             out[module] = seen[key]
         return out
 

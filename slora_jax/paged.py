@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import lora_expand, lora_shrink_group
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, lora_expand, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -50,6 +50,9 @@ class LoraInputs:
     group_qkv: bool = flax.struct.field(pytree_node=False, default=False)  # see pool_lora
     qkv_a_rows: jax.Array | None = None
     qkv_ranks: jax.Array | None = None
+    # Tokens per kernel block (the kernels' dot M side; the schedules are built with it): 16 for
+    # decode steps, EngineOptions.prefill_lora_block_t for prefill steps.
+    block_t: int = flax.struct.field(pytree_node=False, default=LORA_BLOCK_T)
 
 
 @flax.struct.dataclass
@@ -273,7 +276,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
         if lora.backend == "triton":
             from triton_kernels.lora import lora_apply as triton_apply  # needs jax-triton
             return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
-                                max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule)
+                                max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule,
+                                block_t=lora.block_t)
         group = (module,)
         if lora.group_qkv and module in QKV:
             group = qkv_group(lora.rows)
@@ -286,11 +290,11 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
             seen = shrunk[layer] = (x, group, lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
-                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule))
+                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=lora.block_t))
         xa = seen[2]
         col = group.index(module) * (xa.shape[1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
-                           out_features=fout, schedule=schedule, xa_col=col)
+                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t)
     return apply
 
 
