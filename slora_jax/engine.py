@@ -82,8 +82,8 @@ class EngineOptions(SchedulerOptions):
     # Tokens per block of the LoRA kernels in prefill steps (a power of two >= 16; decode steps use
     # 16). A block is the dot's M side and re-reads its adapter's A and B tiles, so prompts of
     # hundreds of tokens do 4x fewer re-reads and larger dots at 64. Not yet timed on the GPU: 16
-    # until measured. (Session 9's serving trace of S2: a unified prefill step took 38.3 ms
-    # against the base model's 24.0.)
+    # until measured. (S2 capacity, session 8: a unified prefill step took 23.8 ms against the base
+    # model's 17.1, for ~1 ms of LoRA flops.)
     prefill_lora_block_t: int = 16
     # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
     # H200, engine decode step, ctx 512 (bench/results/20261129-ecdfac3): B 64 x 64 adapters
