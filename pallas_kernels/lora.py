@@ -94,7 +94,7 @@ BLOCKS = {
 
 # compact_tiles (shrink; off, not yet timed on a GPU): one program per live (block, rank tile)
 # item instead of one per (block, every rank tile), about half of which exit at once with ranks
-# 8-64 (the shrink schedule is then built in the graph, `_tile_schedule`). Why try it: more and
+# 8-64 (the shrink schedule is then built in the graph, `_block_schedule` with rank_tile). Why try it: more and
 # shorter programs won (split_k 4 over 1), fewer and longer lost (tiles_inside).
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
@@ -163,7 +163,7 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
     # compact_tiles: the schedule lists (block, rank tile) items of live tiles only (row 3: the
-    # tile, `_tile_schedule`) and axis 1 walks modules: no program exists for a dead tile.
+    # tile, `_block_schedule` with rank_tile) and axis 1 walks modules: no program exists for a dead tile.
     p, gk = pl.program_id(0), pl.program_id(1)
     if compact_tiles:
         g, k_fixed = gk, None
@@ -273,46 +273,37 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
 # Builders: the block schedule, the grid and the pallas_call.
 
 
-def _block_schedule(ranks, seg_starts, t: int, block_t: int):
+def _block_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int | None = None,
+                    max_rank: int | None = None):
     """The token blocks of all slots, back to back: sched [3, NB] = (slot, first token, segment end)
     and total [1], the number of live blocks. NB = floor((T + Sa*(block_t-1)) / block_t) bounds
-    sum_s ceil(len_s / block_t); blocks past `total` are never visited."""
+    sum_s ceil(len_s / block_t); blocks past `total` are never visited.
+
+    With rank_tile (the compact_tiles experiment): the live (block, rank tile) items instead, a
+    slot of rank r having ceil(min(r, max_rank) / rank_tile) tiles in each of its blocks: sched
+    [4, NB * tiles], row 3 the rank tile. Built in the graph (a few small XLA ops a call); the
+    host would build it if compact_tiles wins."""
     sa = ranks.shape[0]
     seg_starts = jnp.clip(seg_starts, 0, t)
     lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
     nblk = jnp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
-    ends = jnp.cumsum(nblk)
     nb = max(1, (t + sa * (block_t - 1)) // block_t)
-    b = jnp.arange(nb, dtype=jnp.int32)
-    slot = jnp.searchsorted(ends, b, side="right", method="compare_all")  # one fused op on GPU
-    slot = jnp.minimum(slot, sa - 1).astype(jnp.int32)
-    start = seg_starts[slot] + (b - (ends[slot] - nblk[slot])) * block_t
-    sched = jnp.stack([slot, start, seg_starts[slot + 1]]).astype(jnp.int32)
-    return sched, ends[-1:].astype(jnp.int32), nb
-
-
-def _tile_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int, max_rank: int):
-    """The live (block, rank tile) items of all slots, back to back: sched [4, NI] = (slot, first
-    token, segment end, rank tile) and total [1]; a slot of rank r has ceil(min(r, max_rank) /
-    rank_tile) tiles in each of its blocks. NI = NB * tiles bounds the items (NB as in
-    _block_schedule). Built in the graph (a few small XLA ops a call) for the compact_tiles
-    experiment; the host would build it if it wins."""
-    sa = ranks.shape[0]
-    tiles = -(-max_rank // rank_tile)
-    seg_starts = jnp.clip(seg_starts, 0, t)
-    lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
-    nblk = jnp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
-    ntile = (jnp.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
-    items = nblk * ntile
+    if rank_tile is None:
+        items, n = nblk, nb
+    else:
+        ntile = (jnp.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
+        items, n = nblk * ntile, nb * -(-max_rank // rank_tile)
     ends = jnp.cumsum(items)
-    ni = max(1, (t + sa * (block_t - 1)) // block_t) * tiles
-    i = jnp.arange(ni, dtype=jnp.int32)
-    slot = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), sa - 1).astype(jnp.int32)
-    local = i - (ends[slot] - items[slot])
-    per = jnp.maximum(ntile[slot], 1)
-    start = seg_starts[slot] + (local // per) * block_t
-    sched = jnp.stack([slot, start, seg_starts[slot + 1], local % per]).astype(jnp.int32)
-    return sched, ends[-1:].astype(jnp.int32), ni
+    i = jnp.arange(n, dtype=jnp.int32)
+    slot = jnp.searchsorted(ends, i, side="right", method="compare_all")  # one fused op on GPU
+    slot = jnp.minimum(slot, sa - 1).astype(jnp.int32)
+    local = i - (ends[slot] - items[slot])  # this item's place among its slot's
+    if rank_tile is None:
+        rows = [slot, seg_starts[slot] + local * block_t, seg_starts[slot + 1]]
+    else:
+        per = jnp.maximum(ntile[slot], 1)
+        rows = [slot, seg_starts[slot] + (local // per) * block_t, seg_starts[slot + 1], local % per]
+    return jnp.stack(rows).astype(jnp.int32), ends[-1:].astype(jnp.int32), n
 
 
 def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T):
@@ -387,7 +378,7 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     compact = blocks.get("compact_tiles", False)
     if compact:  # the live tiles of the union of the modules' ranks (the given schedule unused)
         union = ranks.max(axis=0).astype(jnp.int32) if n_modules > 1 else ranks[0].astype(jnp.int32)
-        sched, total, ni = _tile_schedule(union, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
+        sched, total, ni = _block_schedule(union, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
         n_programs = min(ni, max_programs)
     else:
         live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
