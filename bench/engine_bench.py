@@ -17,9 +17,11 @@ shares the bytes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -248,6 +250,7 @@ def main() -> None:
     print("pool", result["pool"], flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="slora-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
     files = [random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=ranks[i % len(ranks)],
                                  targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
              for i in range(args.distinct_files)]

@@ -91,6 +91,7 @@ if has profile; then
       --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
       > "$OUT/profile_step$tag.log" 2>&1
     echo "profile_step $cfg rc=$?"
+    rm -rf /tmp/slora-prof-* /tmp/slora-trace-*  # a run killed by timeout leaves ~14 GB of adapters
     grep -v "^W1\|^I1" "$OUT/profile_step$tag.log" | grep -iE "lora|device|kernels" | tail -12
     i=$((i + 1))
   done

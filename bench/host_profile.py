@@ -14,10 +14,12 @@ schedule, inputs and complete are pure host work anywhere.
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import dataclasses
 import json
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -53,6 +55,7 @@ def main() -> dict:
         cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
     ranks = [int(r) for r in args.ranks.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="slora-host-"))
+    atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
     files = [random_peft_adapter(tmp / f"r{r}", cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                                  seed=r) for r in ranks]
     llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, overlap_steps=args.overlap, page_size=16,

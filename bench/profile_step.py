@@ -14,11 +14,13 @@ kernels a step launches, and which ones pay for the adapters.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import glob
 import gzip
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -173,6 +175,7 @@ def main() -> None:
               max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
+    atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
     names = []
     for i in range(max(counts)):
         path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=ranks[i % len(ranks)],
@@ -210,6 +213,7 @@ def main() -> None:
             for r in reqs:
                 eng._release(r)
         s = summarize(device_events(trace_dir), args.steps, args.top)
+        shutil.rmtree(trace_dir, ignore_errors=True)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
         if per_layer:
             reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])

@@ -75,8 +75,8 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False, prefetch_next=False, hoist_rows=False, compact_tiles=False),
-    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=False),
+                   static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -87,15 +87,20 @@ BLOCKS = {
 # alone). In the engine's step (B 128 x 110 adapters) both together took the q/k/v shrink from
 # 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
 
-# prefetch_next (shrink and expand; off, not yet timed on a GPU): a manual two-stage pipeline in the
-# column-chunk (shrink) and rank-tile (expand) loops, the next trip's gathers issued before this
-# trip's product (`_loop`). Why try it: the kernels are latency-bound per program (fewer, longer
-# programs lost above; y_first, which moves a load ahead, won).
-
-# compact_tiles (shrink; off, not yet timed on a GPU): one program per live (block, rank tile)
-# item instead of one per (block, every rank tile), about half of which exit at once with ranks
-# 8-64 (the shrink schedule is then built in the graph, `_block_schedule` with rank_tile). Why try it: more and
-# shorter programs won (split_k 4 over 1), fewer and longer lost (tiles_inside).
+# prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
+# rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
+# compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
+# (block, every rank tile), about half of which exit at once with ranks 8-64 (the shrink schedule is
+# then built in the graph, `_block_schedule` with rank_tile). Both from the H200 engine-step profile
+# (bench/results/20261130-bf56a12/profile-a, -b: llama-7b decode, B 128 x 110 adapters, ranks
+# 64/32/16/8, LoRA kernels in ms a step; the defaults measured 5.22-5.31 over four runs):
+#   before (both off)                        5.24  (q/k/v shrink 2.08, o shrink 0.84, expands ~0.58)
+#   prefetch_next, shrink and expand         4.37  (1.59, 0.64, 0.52-0.55)
+#   compact_tiles alone                      4.98  (1.95, 0.70, ~0.58)
+#   both                                     4.26  (1.51, 0.62, 0.52-0.55)
+# Why they help: the kernels are latency-bound per program (fewer, longer programs lost above;
+# y_first, which moves a load ahead, won): prefetch_next overlaps a program's loads with its dots,
+# compact_tiles launches no program that only exits.
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).

@@ -328,9 +328,12 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"compact_tiles": True}},                # one program per live (block, rank tile)
     {"shrink": {"compact_tiles": True, "split_k": 1}},
     {"shrink": {"compact_tiles": True, "rank_tile": 32}, "expand": {"rank_tile": 32}},
+    # the defaults before session 10: no software pipeline, one program per (block, every rank tile)
+    {"shrink": {"prefetch_next": False, "compact_tiles": False}, "expand": {"prefetch_next": False}},
+    {"shrink": {"prefetch_next": False, "compact_tiles": False, "split_k": 1}},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
         "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
-        "compact_tiles_k1", "compact_tiles_rank_tile_32"])
+        "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
