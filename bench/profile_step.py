@@ -57,11 +57,51 @@ def kind_of(name: str) -> str:
     return "other fusion"
 
 
-def device_events(trace_dir: str) -> list[dict]:
-    """Complete events ('X') of the device's tracks: GPU streams, or the CPU client's XLA threads."""
+def _trace_events(trace_dir: str) -> list[dict]:
     path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
     data = json.load(gzip.open(path))
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def host_phases(trace_dir: str) -> list[dict]:
+    """The engine's host phases in the trace (slora_jax.engine._phase: `slora.<name>` events)."""
+    return [e for e in _trace_events(trace_dir) if e.get("ph") == "X" and str(e.get("name", "")).startswith("slora.")]
+
+
+def idle_by_phase(device: list[dict], phases: list[dict], steps: int, min_gap_us: float = 50.0) -> dict:
+    """Where the device's idle time went: each gap of at least min_gap_us between the device's
+    kernels (within the traced span) split among the host phases that overlapped it, in
+    microseconds a step; "no phase": host time outside every phase. Shorter gaps (launch latency
+    between a step's own kernels) are summed apart, as "short gaps"."""
+    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device if "ts" in e)
+    merged: list[list[float]] = []
+    for a, b in iv:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    ph = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"][len("slora."):])
+                for e in phases)
+    out = collections.defaultdict(float)
+    for (_, a), (b, _) in zip(merged, merged[1:]):
+        if b - a < min_gap_us:
+            out["short gaps"] += b - a
+            continue
+        covered = 0.0
+        for s, e, name in ph:
+            if s >= b:
+                break
+            o = min(b, e) - max(a, s)
+            if o > 0:
+                out[name] += o
+                covered += o
+        out["no phase"] += max(0.0, (b - a) - covered)
+    return {k: v / steps for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def device_events(trace_dir: str) -> list[dict]:
+    """Complete events ('X') of the device's tracks: GPU streams, or the CPU client's XLA threads."""
+    events = _trace_events(trace_dir)
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}

@@ -248,8 +248,11 @@ class ServingTrace:
         # unified step spends beyond the base step (the trace files stay on the device)
         if not self.done or not self.steps:
             return None
-        from bench.profile_step import device_events, summarize as sum_kernels
-        out = sum_kernels(device_events(self.dir), self.steps, top)
+        from bench.profile_step import device_events, host_phases, idle_by_phase, summarize as sum_kernels
+        device = device_events(self.dir)
+        out = sum_kernels(device, self.steps, top)
+        # the device's idle gaps by the engine's host phase that overlapped them (us a step)
+        out["idle_by_host_phase_us"] = idle_by_phase(device, host_phases(self.dir), self.steps)
         out.update(steps=self.steps, after_s=self.after_s, wall_us_per_step=self.wall_s * 1e6 / self.steps,
                    steps_by_kind=_steps_by_kind(self.before, self.after), trace_dir=self.dir)
         return out
@@ -497,6 +500,10 @@ def table(result: dict) -> str:
                          f"{st['device_us_per_step'] / 1e3:.1f} / {st['busy_us_per_step'] / 1e3:.1f} / "
                          f"{st['span_us_per_step'] / 1e3:.1f} / {st['wall_us_per_step'] / 1e3:.1f}, "
                          f"{st['kernels_per_step']:.0f}"))
+            idle = st.get("idle_by_host_phase_us") or {}
+            if idle:
+                rows.append(("traced device idle by host phase, ms a step",
+                             ", ".join(f"{k} {v / 1e3:.2f}" for k, v in idle.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join([head, *(f"  {k:<{width}}  {_fmt(v)}" for k, v in rows)])
 

@@ -80,10 +80,9 @@ class EngineOptions(SchedulerOptions):
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
     lora_hybrid_slots: int = 32
     # Tokens per block of the LoRA kernels in prefill steps (a power of two >= 16; decode steps use
-    # 16). A block is the dot's M side and re-reads its adapter's A and B tiles, so prompts of
-    # hundreds of tokens do 4x fewer re-reads and larger dots at 64. Not yet timed on the GPU: 16
-    # until measured. (S2 capacity, session 8: a unified prefill step took 23.8 ms against the base
-    # model's 17.1, for ~1 ms of LoRA flops.)
+    # 16). A block is the dot's M side and re-reads its adapter's A and B tiles. Larger blocks
+    # lost on the H200 (S2 capacity, bench/results/20261130-bf56a12/serving-pbt): a unified
+    # prefill step took 23.1 ms at 16, 25.4 at 64 and 32.7 at 128 (base model: 17.0).
     prefill_lora_block_t: int = 16
     # Pallas LoRA: q, k and v shrink in one kernel launch (they read the same x); False: one each.
     # H200, engine decode step, ctx 512 (bench/results/20261129-ecdfac3): B 64 x 64 adapters
@@ -176,6 +175,13 @@ class EngineOptions(SchedulerOptions):
             elif value is not None:
                 raise ValueError(f"{name} is only for adapter_memory={owner!r}, "
                                  f"not adapter_memory={mode!r}")
+
+
+def _phase(name: str):
+    """A host phase of the step loop, named in device traces (jax.profiler) as `slora.<name>`, so a
+    trace shows what the host was doing while the device waited (bench/profile_step.idle_by_phase).
+    Without an active trace it costs about a microsecond."""
+    return jax.profiler.TraceAnnotation(f"slora.{name}")
 
 
 def _group_by_adapter(chunks: list) -> None:
@@ -375,9 +381,11 @@ class Engine:
         if self.opts.overlap_steps:
             return self._step_overlapped()
         t0 = time.perf_counter()
-        plan = self.sched.schedule()
+        with _phase("schedule"):
+            plan = self.sched.schedule()
         t1 = time.perf_counter()
-        self._write_adapters(plan.loads)
+        with _phase("adapter_loads"):
+            self._write_adapters(plan.loads)
         if not plan.chunks:
             self.sched.refresh_gauges()
             return plan.finished
@@ -385,17 +393,20 @@ class Engine:
         results, first_run, t = self._launch(plan)
         # While the device runs the step: copy in what the next batch is predicted to need.
         t_pre = time.perf_counter()
-        self._write_adapters(self.sched.prefetch(plan), speculative=True)
+        with _phase("prefetch"):
+            self._write_adapters(self.sched.prefetch(plan), speculative=True)
         t_wait = time.perf_counter()
         t_pre = t_wait - t_pre
-        results = np.asarray(results)
+        with _phase("device_wait"):
+            results = np.asarray(results)
         t_done = time.perf_counter()
         seconds = t_done - t
         self.step_count += 1
         # A first run includes its compile, and a slow prefetch (disk) can outlast the step:
         # neither says how long such a step takes.
         timed = not first_run and t_pre < 0.5 * seconds
-        finished = plan.finished + self.sched.complete(plan, results, seconds if timed else None)
+        with _phase("complete"):
+            finished = plan.finished + self.sched.complete(plan, results, seconds if timed else None)
         h = self.host_seconds  # where a step's wall time goes, summed (see stats())
         h["schedule"] += t1 - t0
         h["adapter_loads"] += t2 - t1
@@ -408,16 +419,19 @@ class Engine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        plan = self.sched.schedule()
+        with _phase("schedule"):
+            plan = self.sched.schedule()
         t1 = time.perf_counter()
-        self._write_adapters(plan.loads)
+        with _phase("adapter_loads"):
+            self._write_adapters(plan.loads)
         t2 = t = t_pre = t_wait = time.perf_counter()
         launched = None
         if plan.chunks:
             results, first_run, t = self._launch(plan)
             t_pre = time.perf_counter()
-            self._write_adapters(self.sched.prefetch(plan), speculative=True)
-            self.sched.advance(plan)
+            with _phase("prefetch"):
+                self._write_adapters(self.sched.prefetch(plan), speculative=True)
+                self.sched.advance(plan)
             t_wait = time.perf_counter()
             launched = _InFlight(plan, results, t, first_run)
             self.step_count += 1
@@ -425,12 +439,14 @@ class Engine:
         prev, self._in_flight = self._in_flight, launched
         t_done = t_wait
         if prev is not None:
-            results = np.asarray(prev.results)
+            with _phase("device_wait"):
+                results = np.asarray(prev.results)
             t_done = time.perf_counter()
             # The device ran prev from its dispatch or the end of the step before, the later.
             seconds = t_done - max(prev.dispatched, self._last_done)
             self._last_done = t_done
-            finished += self.sched.complete_overlapped(prev.plan, results, None if prev.first_run else seconds)
+            with _phase("complete"):
+                finished += self.sched.complete_overlapped(prev.plan, results, None if prev.first_run else seconds)
         elif not plan.chunks:
             self.sched.refresh_gauges()
         if launched is not None:
@@ -452,16 +468,18 @@ class Engine:
         """Order the plan's sequences by adapter, build its inputs and dispatch the step: (its
         results, still on the device; whether its shape is new, i.e. it compiles; when the inputs
         were ready)."""
-        _group_by_adapter(plan.chunks)
-        inp, _ = self._inputs(plan)
-        if self.opts.overlap_steps:
-            inp = self._fed(inp, plan)
-        shape = (plan.kind, jax.tree_util.tree_structure(inp),
-                 tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
-        first_run = shape not in self._shapes
-        self._shapes.add(shape)
+        with _phase("inputs"):
+            _group_by_adapter(plan.chunks)
+            inp, _ = self._inputs(plan)
+            if self.opts.overlap_steps:
+                inp = self._fed(inp, plan)
+            shape = (plan.kind, jax.tree_util.tree_structure(inp),
+                     tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
+            first_run = shape not in self._shapes
+            self._shapes.add(shape)
         t = time.perf_counter()
-        self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.layers_per_call)
+        with _phase("dispatch"):
+            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.layers_per_call)
         return results, first_run, t
 
     def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:

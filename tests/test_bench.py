@@ -183,6 +183,11 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert st["steps"] == 4 and st["kernels_per_step"] > 0 and st["device_us_per_step"] > 0
     assert 0 < st["busy_us_per_step"] <= st["span_us_per_step"] and st["wall_us_per_step"] > 0
     assert st["steps_by_kind"]["prefill_steps"] + st["steps_by_kind"]["decode_steps"] <= 4
+    # the CPU loop is not overlapped: between steps the device waits on the engine's host phases,
+    # which the trace names (engine._phase)
+    idle = st["idle_by_host_phase_us"]
+    assert all(v >= 0 for v in idle.values())
+    assert sum(idle.get(k, 0.0) for k in ("schedule", "adapter_loads", "inputs", "complete")) > 0, idle
     for r in result["requests"]:
         if r["finish_reason"] == "length":  # ignore_eos: every request runs to its length
             assert r["tokens"] == r["output_len"]
@@ -432,3 +437,15 @@ def test_prefetch_report_hidden_share_of_the_cold_cost(tmp_path):
     assert rows[0]["ref"] == "S2-x-prefetch-on-R12.json" and rows[0]["off"] == "S2-x-prefetch-off-R12-disk.json"
     saved = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())}
     assert saved["S2-x-prefetch-on-R12-disk"]["hidden_median"] == pytest.approx(0.875)
+
+
+def test_idle_by_phase_splits_each_gap_among_the_host_phases():
+    from bench.profile_step import idle_by_phase
+    dev = [{"ts": 0, "dur": 10}, {"ts": 5, "dur": 15}, {"ts": 100, "dur": 10}, {"ts": 115, "dur": 5},
+           {"ts": 300, "dur": 10}]
+    host = [{"ts": 20, "dur": 40, "name": "slora.schedule"}, {"ts": 60, "dur": 30, "name": "slora.inputs"},
+            {"ts": 150, "dur": 400, "name": "slora.device_wait"}]
+    got = idle_by_phase(dev, host, steps=2)
+    # gap 20-100: schedule 40, inputs 30, 10 of no phase; gap 110-115 is short; gap 120-300: 30
+    # of no phase before device_wait's 150 in it
+    assert got == {"device_wait": 75.0, "no phase": 20.0, "schedule": 20.0, "inputs": 15.0, "short gaps": 2.5}

@@ -1205,3 +1205,23 @@ def test_prefill_lora_block_t(paths, monkeypatch):
     assert_same(outs, want)
     assert seen == {(False, 32), (True, 16)}, seen
     assert_drained(engine)
+
+
+def test_step_temporaries_do_not_grow_with_the_pool(paths):
+    """A step reads its pages where they lie: the compiled step's temporaries stay the same when
+    the pool grows 8x (a copy of a pool layer, reshaped for a kernel or gathered whole, would grow
+    them by a layer). On a GPU this checks the platform's own backends (session 10: a 2-layer
+    model's forward failed to allocate about one pool layer under a 10% memory cap)."""
+    temps, layer_bytes = {}, {}
+    for pages in (256, 2048):
+        llm = make_llm(paths, page_size=16, pool_pages=pages)
+        eng = llm.engine
+        layer_bytes[pages] = eng.kv[0].nbytes
+        shapes = eng.warmup_shapes(max_context=64)
+        for decode in (True, False):
+            inp = next(s for s in shapes if s.decode == decode and s.lora is not None)
+            compiled = paged.forward_sample.lower(llm.params, eng.kv, inp, cfg=llm.cfg).compile()
+            temps[pages, decode] = compiled.memory_analysis().temp_size_in_bytes
+    growth = layer_bytes[2048] - layer_bytes[256]
+    for decode in (True, False):
+        assert abs(temps[2048, decode] - temps[256, decode]) < growth // 4, (decode, temps, growth)
