@@ -9,8 +9,8 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
 (H->I), down (I->H); pool width W = kv_size. Variants, timed in one run on the same inputs:
 
   pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels,
-           given the block schedule built on the host (pallas_kernels.lora.block_schedule), as the
-           engine passes it
+           given the schedules built on the host (pallas_kernels.lora.block_schedule and
+           shrink_schedule), as the engine passes them
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
   one-hot  slora_jax.paged.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
@@ -224,6 +224,8 @@ class LoraPool:
                 # the kernels' block schedule, built on the host as the engine builds it
                 "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
+                "shrink_schedule": tuple(map(jnp.asarray, lora_kernels.shrink_schedule(
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
         return out
@@ -262,7 +264,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
         return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["schedule"],
-                          **kw)
+                          shrink_schedule=s["shrink_schedule"], **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)

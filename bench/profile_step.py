@@ -31,6 +31,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
     sys.path[0] = str(REPO)  # run as a script: bench/trace.py must not shadow the stdlib's trace
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.engine_bench import decode_batch, randomize_pool, set_backends  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
@@ -192,6 +193,39 @@ def dispatch_breakdown(llm, inp, per_layer: int, reps: int = 4) -> dict:
     return out
 
 
+def dispatch_costs(llm, inp, reps: int = 7) -> dict:
+    """Host time of one paged.step call (whole-model jit), median of `reps`, in microseconds:
+    with the device idle and right behind another step (busy), with the step's inputs as the host
+    built them (numpy) and already on the device. If the busy numpy call takes much longer than
+    the others, the call waits for the device (e.g. its host-to-device copies behind the running
+    step) and an overlapped serving loop cannot hide its host work; `leaves` counts the copies."""
+    eng = llm.engine
+    inp = jax.tree_util.tree_map(np.asarray, inp)  # as the engine builds them (decode_batch puts them)
+    leaves = jax.tree_util.tree_leaves(inp)
+    t0 = time.perf_counter()
+    dinp = jax.device_put(inp, eng.kv[0].sharding)
+    jax.block_until_ready(dinp)
+    out = {"leaves": len(leaves), "leaf_bytes": sum(x.nbytes for x in leaves),
+           "device_put_us": (time.perf_counter() - t0) * 1e6}
+
+    def call(x):
+        a = time.perf_counter()
+        eng.kv, res = paged.step(llm.params, eng.kv, x, cfg=llm.cfg, per_layer=0)
+        return res, time.perf_counter() - a
+    for name, x in (("numpy", inp), ("device", dinp)):
+        idle, busy = [], []
+        for _ in range(reps):
+            jax.block_until_ready(eng.kv)
+            res, dt = call(x)
+            idle.append(dt)
+            res2, dt = call(x)  # dispatched while the first runs
+            busy.append(dt)
+            res2.block_until_ready()
+        out[f"idle_{name}_us"] = float(np.median(idle)) * 1e6
+        out[f"busy_{name}_us"] = float(np.median(busy)) * 1e6
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-7b")
@@ -255,6 +289,15 @@ def main() -> None:
         s = summarize(device_events(trace_dir), args.steps, args.top)
         shutil.rmtree(trace_dir, ignore_errors=True)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
+        if not per_layer:
+            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            try:
+                s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
+            finally:
+                for r in reqs:
+                    eng._release(r)
+            print(f"{pair}, {n} adapters, host time of one step call (us): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
         if per_layer:
             reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
             try:

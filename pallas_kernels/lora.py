@@ -90,8 +90,8 @@ BLOCKS = {
 # prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
 # rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
 # compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
-# (block, every rank tile), about half of which exit at once with ranks 8-64 (the shrink schedule is
-# then built in the graph, `_block_schedule` with rank_tile). Both from the H200 engine-step profile
+# (block, every rank tile), about half of which exit at once with ranks 8-64 (the engine builds
+# that schedule on the host, `shrink_schedule`; the profile below built it in the graph). Both from the H200 engine-step profile
 # (bench/results/20261130-bf56a12/profile-a, -b: llama-7b decode, B 128 x 110 adapters, ranks
 # 64/32/16/8, LoRA kernels in ms a step; the defaults measured 5.22-5.31 over four runs):
 #   before (both off)                        5.24  (q/k/v shrink 2.08, o shrink 0.84, expands ~0.58)
@@ -286,8 +286,8 @@ def _block_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int | No
 
     With rank_tile (the compact_tiles experiment): the live (block, rank tile) items instead, a
     slot of rank r having ceil(min(r, max_rank) / rank_tile) tiles in each of its blocks: sched
-    [4, NB * tiles], row 3 the rank tile. Built in the graph (a few small XLA ops a call); the
-    host would build it if compact_tiles wins."""
+    [4, NB * tiles], row 3 the rank tile. The engine builds both on the host (block_schedule,
+    shrink_schedule); this is the fallback when no schedule is given."""
     sa = ranks.shape[0]
     seg_starts = jnp.clip(seg_starts, 0, t)
     lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
@@ -311,22 +311,43 @@ def _block_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int | No
     return jnp.stack(rows).astype(jnp.int32), ends[-1:].astype(jnp.int32), n
 
 
-def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T):
-    """`_block_schedule` on the host (numpy): (sched [3, NB], total [1]) int32, the same arrays.
-    The engine builds it once per step and module while it builds the step's other inputs, and
-    passes it as `schedule=`: the kernels then launch without the schedule's small XLA ops."""
+def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, rank_tile: int | None = None,
+                   max_rank: int | None = None):
+    """`_block_schedule` on the host (numpy): (sched, total [1]) int32, the same arrays (with
+    rank_tile, the live (block, rank tile) items: sched [4, NB * tiles]). The engine builds it once
+    per step and module while it builds the step's other inputs, and passes it as `schedule=`:
+    the kernels then launch without the schedule's small XLA ops."""
     ranks = np.asarray(ranks, np.int32)
     sa = ranks.shape[0]
     seg_starts = np.clip(np.asarray(seg_starts, np.int32), 0, t)
     lens = np.maximum(seg_starts[1:] - seg_starts[:-1], 0)
     nblk = np.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
-    ends = np.cumsum(nblk)
     nb = max(1, (t + sa * (block_t - 1)) // block_t)
-    b = np.arange(nb, dtype=np.int64)
-    slot = np.minimum(np.searchsorted(ends, b, side="right"), sa - 1)
-    start = seg_starts[slot] + (b - (ends[slot] - nblk[slot])) * block_t
-    sched = np.stack([slot, start, seg_starts[slot + 1]]).astype(np.int32)
-    return sched, ends[-1:].astype(np.int32)
+    if rank_tile is None:
+        items, n = nblk, nb
+    else:
+        ntile = (np.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
+        items, n = nblk * ntile, nb * -(-max_rank // rank_tile)
+    ends = np.cumsum(items)
+    i = np.arange(n, dtype=np.int64)
+    slot = np.minimum(np.searchsorted(ends, i, side="right"), sa - 1)
+    local = i - (ends[slot] - items[slot])
+    if rank_tile is None:
+        rows = [slot, seg_starts[slot] + local * block_t, seg_starts[slot + 1]]
+    else:
+        per = np.maximum(ntile[slot], 1)
+        rows = [slot, seg_starts[slot] + (local // per) * block_t, seg_starts[slot + 1], local % per]
+    return np.stack(rows).astype(np.int32), ends[-1:].astype(np.int32)
+
+
+def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_rank: int):
+    """The schedule lora_shrink(_group) takes as `schedule=`, on the host: with compact_tiles (the
+    default) the live (block, rank tile) items of the slots' ranks (a group's: the largest rank of
+    each slot over its modules), else the plain block schedule. Read BLOCKS when the step is built,
+    as the kernel reads it when traced."""
+    compact = BLOCKS["shrink"].get("compact_tiles", False)
+    return block_schedule(ranks, seg_starts, t, block_t, BLOCKS["shrink"]["rank_tile"] if compact else None,
+                          max_rank)
 
 
 def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int,
@@ -381,9 +402,17 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     n_modules, slots = ranks.shape
     # The slots live in any module (a reduction only where the schedule is built here).
     compact = blocks.get("compact_tiles", False)
-    if compact:  # the live tiles of the union of the modules' ranks (the given schedule unused)
+    if compact and schedule is None:  # the live tiles of the union of the modules' ranks
         union = ranks.max(axis=0).astype(jnp.int32) if n_modules > 1 else ranks[0].astype(jnp.int32)
         sched, total, ni = _block_schedule(union, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
+        n_programs = min(ni, max_programs)
+    elif compact:  # shrink_schedule's, built on the host
+        sched, total = schedule
+        ni = max(1, (t + slots * (block_t - 1)) // block_t) * pl.cdiv(max_rank, rank_tile)
+        if sched.shape != (4, ni) or total.shape != (1,):
+            raise ValueError(f"schedule shapes {sched.shape}, {total.shape} are not shrink_schedule's "
+                             f"for {t} tokens, {slots} slots, block_t {block_t}, compact_tiles: (4, {ni}), (1,)")
+        sched, total = sched.astype(jnp.int32), total.astype(jnp.int32)
         n_programs = min(ni, max_programs)
     else:
         live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
@@ -454,7 +483,8 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
     x [T, in]; rows [N, W] (one layer's pool as rows); a_rows [Sa, RA] int32, RA =
     ceil(max_rank*in/W): row indices of A^T_s [r_s, in] flattened; ranks [Sa] (0: the slot has no A
     for this module); seg_starts [Sa+1]. Unused entries of a_rows may point at any row.
-    schedule: block_schedule(ranks, seg_starts, T, block_t), built on the host; None: in the graph.
+    schedule: shrink_schedule(ranks, seg_starts, T, block_t, max_rank=max_rank), built on the
+    host; None: in the graph.
     """
     xa = lora_shrink_group(x, rows, (a_rows,), (ranks,), seg_starts, max_rank=max_rank, in_features=in_features,
                            interpret=interpret, block_t=block_t, max_programs=max_programs, schedule=schedule)
@@ -468,7 +498,7 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
     stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa
     [T', G * Rw] float32, module g's columns from g * Rw (Rw = xa.shape[1] // G >= max_rank,
     T' >= T: split-K pads both to whole tiles); pass it to lora_expand with xa_col = g * Rw.
-    schedule: block_schedule of the slots that any module has."""
+    schedule: shrink_schedule of each slot's largest rank over the modules."""
     assert x.shape[1] == in_features, (x.shape, in_features)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
@@ -514,12 +544,23 @@ def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, 
                             fin=fin, fouts=(fout,), **kernel_options)[0]
 
 
+def _shrink_options(kernel_options: dict, shrink_schedule) -> dict:
+    """The shrink's options: its own schedule if given; else the expand's (block_schedule) where
+    the shrink takes that one too (compact_tiles off); else None (built in the graph)."""
+    schedule = kernel_options.get("schedule")
+    if shrink_schedule is None and schedule is not None and BLOCKS["shrink"].get("compact_tiles", False):
+        schedule = None
+    return {**kernel_options, "schedule": schedule if shrink_schedule is None else shrink_schedule}
+
+
 def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fouts,
-                     **kernel_options):
+                     shrink_schedule=None, **kernel_options):
     """lora_apply for G modules that read the same x: one shrink launch (lora_shrink_group), then
-    one expand per module into its own y. ys, a_rows, b_rows, ranks, fouts: one per module."""
+    one expand per module into its own y. ys, a_rows, b_rows, ranks, fouts: one per module.
+    schedule= (block_schedule) goes to the expands, shrink_schedule= (shrink_schedule) to the
+    shrink; either None: built in the graph."""
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
-                           **kernel_options)
+                           **_shrink_options(kernel_options, shrink_schedule))
     cols = xa.shape[1] // len(ys)
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
                              **kernel_options)
@@ -530,7 +571,8 @@ def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin
                backend: str = "pallas", **kernel_options):
     """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens."""
     if backend == "pallas":
-        shrink = functools.partial(lora_shrink, **kernel_options)
+        shrink_schedule = kernel_options.pop("shrink_schedule", None)
+        shrink = functools.partial(lora_shrink, **_shrink_options(kernel_options, shrink_schedule))
         expand = functools.partial(lora_expand, **kernel_options)
     elif backend == "xla":
         shrink, expand = lora_shrink_reference, lora_expand_reference

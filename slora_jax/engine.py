@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import block_schedule
+from pallas_kernels.lora import block_schedule, shrink_schedule
 from slora_jax import paged
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -89,6 +89,10 @@ class EngineOptions(SchedulerOptions):
     # 16.73 -> 16.15 ms, B 256 x 256 38.25 -> 37.31 ms; the profile at B 128 x 110 adapters: LoRA
     # kernels 256 -> 192 launches a step, 3.78 -> 3.25 ms.
     lora_group_qkv: bool = True
+    # Put a step's host-built input arrays on the device in one copy (paged.device_inputs) instead
+    # of one per array inside the step's call. Off until timed on a GPU: in S2 serving the jitted
+    # call took 9.5 ms of a 23 ms unified step (5.5 of 17.7 without adapters, ~40 vs ~14 arrays).
+    pack_inputs: bool = False
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -479,8 +483,12 @@ class Engine:
             self._shapes.add(shape)
         t = time.perf_counter()
         with _phase("dispatch"):
+            inp = self._device_inputs(inp)
             self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.layers_per_call)
         return results, first_run, t
+
+    def _device_inputs(self, inp: paged.StepInputs) -> paged.StepInputs:
+        return paged.device_inputs(inp, self.kv[0].sharding) if self.opts.pack_inputs else inp
 
     def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:
         """Overlapped steps: the tokens still on the device (PENDING on the host) are read from
@@ -627,6 +635,7 @@ class Engine:
         per_layer = self.layers_per_call
 
         def compile_one(inp):
+            inp = self._device_inputs(inp)  # as the steps will pass them: the same jit cache entry
             if per_layer:
                 paged.compile_layer_steps(self.params, self.kv, inp, cfg=self.cfg, layers_per_call=per_layer)
             else:
@@ -641,7 +650,8 @@ class Engine:
                 bar.set_postfix_str(done.result())
                 bar.update()
         for inp in shapes:  # now cache hits; commit_kv (small) compiles here
-            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=per_layer)
+            self.kv, results = paged.step(self.params, self.kv, self._device_inputs(inp), cfg=self.cfg,
+                                          per_layer=per_layer)
             self._shapes.add(("decode" if inp.decode else "prefill", jax.tree_util.tree_structure(inp),
                               tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
         bar.close()
@@ -751,28 +761,41 @@ class Engine:
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
-                                schedules=self._schedules(ranks, seg_starts, t, backend, group, block_t),
+                                schedules=self._schedules(ranks, seg_starts, t, backend, group, block_t,
+                                                          self.opts.max_lora_rank),
                                 block_t=block_t)
 
     @staticmethod
-    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str,
-                   group_qkv: bool = False, block_t: int = paged.LORA_BLOCK_T) -> dict | None:
-        """The kernels' block schedule of each module, built here on the host (one per distinct
-        set of slots that target the module) instead of by small XLA ops at every kernel call,
-        and with group_qkv one under "qkv" for the slots of any of q, k and v; None for the
-        one-hot path, which has no schedule."""
+    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool = False,
+                   block_t: int = paged.LORA_BLOCK_T, max_rank: int = 64) -> dict | None:
+        """The kernels' schedules, built here on the host (one per distinct set of slots or ranks)
+        instead of by small XLA ops at every kernel call; None for the one-hot path, which has
+        none. schedules[module]: the module's block schedule (expand; the Triton kernels' shrink
+        too). Under "pallas", schedules["shrink:" + module] for each shrink launch
+        (shrink_schedule: with compact_tiles it depends on the ranks), and with group_qkv
+        schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three)."""
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
-        masks = {module: rk > 0 for module, rk in ranks.items()}
-        qkv = [masks[m] for m in paged.QKV if m in masks]
-        if group_qkv and backend == "pallas" and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
-            masks["qkv"] = np.logical_or.reduce(qkv)
-        for module, mask in masks.items():
-            key = mask.tobytes()
+
+        def once(kind, rk, build):
+            key = (kind, rk.tobytes())
             if key not in seen:
-                seen[key] = block_schedule(mask.astype(np.int32), seg_starts, t, block_t)
-            out[module] = seen[key]
+                seen[key] = build()
+            return seen[key]
+        for module, rk in ranks.items():
+            mask = (rk > 0).astype(np.int32)
+            out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
+        if backend == "pallas":
+            shrinks = dict(ranks)
+            qkv = [ranks[m] for m in paged.QKV if m in ranks]
+            if group_qkv and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
+                shrinks = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
+                shrinks["qkv"] = np.maximum.reduce(qkv)
+            for name, rk in shrinks.items():
+                rk = np.minimum(rk, max_rank).astype(np.int32)
+                out["shrink:" + name] = once("shrink", rk, lambda: shrink_schedule(rk, seg_starts, t, block_t,
+                                                                                   max_rank=max_rank))
         return out
 
     def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,8 +34,10 @@ class LoraInputs:
     by slot, so seg_starts [Sa+1] gives slot s the tokens [seg_starts[s], seg_starts[s+1]).
     backend: "xla" (one-hot over slots), "pallas" (pallas_kernels.lora, segment form) or "triton"
     (triton_kernels.lora through jax-triton, the same segment form; GPU only).
-    schedules[module] = the kernels' block schedule (pallas_kernels.lora.block_schedule), built on
-    the host with the step's inputs, or None (the kernels build it in the graph).
+    schedules[module] = the kernels' block schedule (pallas_kernels.lora.block_schedule), and
+    schedules["shrink:" + module or "shrink:qkv"] each Pallas shrink launch's (shrink_schedule),
+    built on the host with the step's inputs (Engine._schedules), or None (the kernels build them
+    in the graph).
     qkv_a_rows [G, Sa, RA], qkv_ranks [G, Sa]: under "pallas" with group_qkv, the A rows and ranks
     of the G >= 2 of q, k, v the step carries, stacked on the host once a step (`stack_qkv`) for
     the grouped shrink; their rows[m] then hold None for A. None otherwise.
@@ -258,7 +260,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
     "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
-    (lora_shrink_group; the step's schedules["qkv"] covers their slots) and each expands from its
+    (lora_shrink_group; the step's schedules["shrink:qkv"] covers their slots) and each expands from its
     columns of that xa."""
     shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
 
@@ -283,7 +285,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             group = qkv_group(lora.rows)
         seen = shrunk.get(layer)
         if seen is None or seen[0] is not x or seen[1] != group:
-            group_schedule = lora.schedules.get("qkv" if len(group) > 1 else module) if lora.schedules else None
+            group_schedule = lora.schedules.get("shrink:" + ("qkv" if len(group) > 1 else module)) \
+                if lora.schedules else None
             if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
                 a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
             else:
@@ -400,6 +403,34 @@ def compile_layer_steps(params, pool, inp: StepInputs, *, cfg: ModelConfig, laye
     for n in sorted({n for _, n in _layer_runs(len(layers), layers_per_call)}):
         layer_step.lower(tuple(layers[:n]), tuple(pool[:n]), x, cos, sin, inp, cfg=cfg).compile()
     head_step.lower(_head(params), x, inp, cfg=cfg).compile()
+
+
+def device_inputs(inp: StepInputs, sharding) -> StepInputs:
+    """The step's host-built arrays (numpy, 4-byte dtypes) on the device in one host-to-device
+    copy: packed into one int32 buffer, put, and split by a small jit (EngineOptions.pack_inputs),
+    instead of one copy per array inside the step's call (~40 with adapters). Other leaves (the
+    previous step's results, already on the device) pass through."""
+    leaves, treedef = jax.tree_util.tree_flatten(inp)
+    host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray) and x.dtype.itemsize == 4]
+    if not host:
+        return inp
+    buf = np.concatenate([np.ascontiguousarray(leaves[i]).reshape(-1).view(np.int32) for i in host])
+    meta = tuple((leaves[i].shape, leaves[i].dtype.str) for i in host)
+    out = list(leaves)
+    for i, x in zip(host, _unpack(jax.device_put(buf, sharding), meta)):
+        out[i] = x
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnames=("meta",))
+def _unpack(buf, meta):
+    out, at = [], 0
+    for shape, dtype in meta:
+        n = int(np.prod(shape, dtype=np.int64))
+        x = buf[at:at + n].reshape(shape)
+        out.append(x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype)))
+        at += n
+    return out
 
 
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):

@@ -1081,11 +1081,14 @@ def test_overlapped_steps_abort_in_flight(paths, ref):
     assert_drained(engine)
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["split_steps", "mixed_steps"])
-def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
+@pytest.mark.parametrize("mixed,packed", [(False, False), (True, False), (False, True)],
+                         ids=["split_steps", "mixed_steps", "packed_inputs_pallas"])
+def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, packed):
     """Random lengths, max_tokens from 1, stop tokens, greedy and seeded rows, four adapters and the
     base model, in a pool so tight that it preempts requests and evicts adapters: the overlapped
-    loop gives the plain loop's tokens, finish reasons and logprobs."""
+    loop gives the plain loop's tokens, finish reasons and logprobs. packed: the overlapped engine
+    puts each step's inputs on the device in one copy (pack_inputs), both on the Pallas kernels
+    (whose schedules are inputs too)."""
     rng = np.random.default_rng(11)
     n = 12
     prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, int(rng.integers(1, 12)))] for _ in range(n)]
@@ -1097,15 +1100,24 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed):
                               **(dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0.0)))
     kv = 5  # KV pages of 4 tokens: one row at its full length (up to 5 pages) fills them
     options = dict(page_size=4, pool_pages=1 + sum(pages_of(paths, a, 4) for a in "abcd") + kv, max_num_seqs=6,
-                   mixed_steps=mixed, max_prefill_tokens=8, max_prefill_seqs=3)
+                   mixed_steps=mixed, max_prefill_tokens=8, max_prefill_seqs=3,
+                   **(dict(lora_backend="pallas", prefill_lora_backend="pallas") if packed else {}))
     reference = make_llm(paths, **options)
     # Every third row stops on its own third token (seen in a first run without stops).
     first = reference.generate(prompts, [sampling(i) for i in range(n)], adapter=names)
     params = [sampling(i, [first[i].token_ids[2]]) if i % 3 == 0 and len(first[i].token_ids) > 3 else sampling(i)
               for i in range(n)]
     plain = reference.generate(prompts, params, adapter=names)
-    engine = make_llm(paths, overlap_steps=True, **options)
-    outs = engine.generate(prompts, params, adapter=names)
+    engine = make_llm(paths, overlap_steps=True, pack_inputs=packed, **options)
+    if packed:
+        calls = []
+        real = paged.device_inputs
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(paged, "device_inputs", lambda inp, sh: calls.append(inp) or real(inp, sh))
+            outs = engine.generate(prompts, params, adapter=names)
+        assert calls and all(c.lora is None or c.lora.schedules for c in calls)
+    else:
+        outs = engine.generate(prompts, params, adapter=names)
     assert any(o.finish_reason == "stop" for o in plain) and any(len(o.token_ids) == 1 for o in plain)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in plain]
@@ -1225,3 +1237,29 @@ def test_step_temporaries_do_not_grow_with_the_pool(paths):
     growth = layer_bytes[2048] - layer_bytes[256]
     for decode in (True, False):
         assert abs(temps[2048, decode] - temps[256, decode]) < growth // 4, (decode, temps, growth)
+
+
+def test_device_inputs_round_trip():
+    """paged.device_inputs: every host array comes back on the device with its dtype, shape and
+    values (int32, float32 and uint32 share one int32 buffer); device arrays pass through."""
+    rng = np.random.default_rng(0)
+    prev = jax.numpy.asarray(rng.normal(size=(4, 2)).astype(np.float32))
+    lora = paged.LoraInputs(token_slot=np.array([0, 0, 1, -1], np.int32), seg_starts=np.array([0, 2, 3], np.int32),
+                            rows={"q_proj": (np.arange(6, dtype=np.int32).reshape(2, 3), None)},
+                            ranks={"q_proj": np.array([8, 4], np.int32)}, max_rank=8)
+    inp = paged.StepInputs(
+        tokens=rng.integers(0, 99, 4).astype(np.int32), positions=np.arange(4, dtype=np.int32),
+        kv_slot=np.arange(4, dtype=np.int32), token_seq=np.array([0, 1, 2, 3], np.int32),
+        page_table=rng.integers(0, 9, (4, 3)).astype(np.int32), ctx_lens=np.zeros(4, np.int32),
+        sample_idx=np.arange(4, dtype=np.int32), temperature=rng.random(4).astype(np.float32),
+        top_k=np.zeros(4, np.int32), top_p=np.ones(4, np.float32),
+        seeds=np.array([1, 2**32 - 1, 7, 0], np.uint32), steps=np.zeros(4, np.int32), lora=lora,
+        decode=True, prev_results=prev)
+    got = paged.device_inputs(inp, jax.devices()[0])
+    want_leaves, want_def = jax.tree_util.tree_flatten(inp)
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    assert got_def == want_def and got.decode
+    for g, w in zip(got_leaves, want_leaves):
+        assert isinstance(g, jax.Array) and g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert got.prev_results is prev

@@ -292,6 +292,40 @@ def test_host_block_schedule_matches_the_graph_one():
         lora.lora_apply(y, x, rows, a_rows, b_rows, rk, sg, schedule=block_schedule(ranks, seg, 64), **kw)
 
 
+def test_host_shrink_schedule_matches_the_graph_one(monkeypatch):
+    """shrink_schedule (numpy; compact_tiles: the live (block, rank tile) items) gives the same arrays
+    as the in-graph _block_schedule with a rank tile, ranks past max_rank clamped; the shrink gives
+    the same output given it as building its own; a schedule of the wrong shape is refused."""
+    from pallas_kernels.lora import _block_schedule, block_schedule, shrink_schedule
+    rng = np.random.default_rng(5)
+    for t, sa, block_t, rank_tile in ((64, 8, 16, 16), (37, 5, 16, 16), (256, 32, 32, 32), (16, 1, 16, 16)):
+        for _ in range(5):
+            lens = rng.multinomial(int(rng.integers(0, t + 1)), np.ones(sa) / sa)
+            seg = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            ranks = rng.choice([0, 1, 8, 16, 40, 64, 128], sa).astype(np.int32)
+            got = block_schedule(ranks, seg, t, block_t, rank_tile, MAX_RANK)
+            sched, total, n = _block_schedule(jnp.asarray(ranks), jnp.asarray(seg), t, block_t, rank_tile, MAX_RANK)
+            assert got[0].shape == (4, n)
+            np.testing.assert_array_equal(got[0], np.asarray(sched))
+            np.testing.assert_array_equal(got[1], np.asarray(total))
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "compact_tiles": True})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        case = CASES["mixed"]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed=11)
+        x, rows, a_rows, _, rk, sg = delta_args(arr)
+        kw = dict(max_rank=MAX_RANK, in_features=case.fin, interpret=True)
+        own = lora.lora_shrink(x, rows, a_rows, rk, sg, **kw)
+        hosted = lora.lora_shrink(x, rows, a_rows, rk, sg, schedule=shrink_schedule(ranks, seg, TOKENS,
+                                                                                    max_rank=MAX_RANK), **kw)
+        np.testing.assert_array_equal(np.asarray(own), np.asarray(hosted))
+        assert np.asarray(hosted).any()
+        with pytest.raises(ValueError, match="shrink_schedule's"):  # the expand's plain schedule
+            lora.lora_shrink(x, rows, a_rows, rk, sg, schedule=block_schedule(ranks, seg, TOKENS), **kw)
+    finally:
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     """BLOCKS["shrink"]["split_k"]: 1, one program walks the `in` columns and stores; > 1 (the
