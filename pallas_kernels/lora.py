@@ -279,65 +279,49 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
 
 
 def _block_schedule(ranks, seg_starts, t: int, block_t: int, rank_tile: int | None = None,
-                    max_rank: int | None = None):
+                    max_rank: int | None = None, xp=jnp):
     """The token blocks of all slots, back to back: sched [3, NB] = (slot, first token, segment end)
     and total [1], the number of live blocks. NB = floor((T + Sa*(block_t-1)) / block_t) bounds
     sum_s ceil(len_s / block_t); blocks past `total` are never visited.
 
-    With rank_tile (the compact_tiles experiment): the live (block, rank tile) items instead, a
-    slot of rank r having ceil(min(r, max_rank) / rank_tile) tiles in each of its blocks: sched
-    [4, NB * tiles], row 3 the rank tile. The engine builds both on the host (block_schedule,
-    shrink_schedule); this is the fallback when no schedule is given."""
+    With rank_tile (compact_tiles): the live (block, rank tile) items instead, a slot of rank r
+    having ceil(min(r, max_rank) / rank_tile) tiles in each of its blocks: sched [4, NB * tiles],
+    row 3 the rank tile. xp = jnp: in the graph (the kernels' fallback when no schedule is given);
+    np: on the host (block_schedule, shrink_schedule, which the engine passes)."""
     sa = ranks.shape[0]
-    seg_starts = jnp.clip(seg_starts, 0, t)
-    lens = jnp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
-    nblk = jnp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
+    seg_starts = xp.clip(seg_starts, 0, t)
+    lens = xp.maximum(seg_starts[1:] - seg_starts[:-1], 0)
+    nblk = xp.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
     nb = max(1, (t + sa * (block_t - 1)) // block_t)
     if rank_tile is None:
         items, n = nblk, nb
     else:
-        ntile = (jnp.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
+        ntile = (xp.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
         items, n = nblk * ntile, nb * -(-max_rank // rank_tile)
-    ends = jnp.cumsum(items)
-    i = jnp.arange(n, dtype=jnp.int32)
-    slot = jnp.searchsorted(ends, i, side="right", method="compare_all")  # one fused op on GPU
-    slot = jnp.minimum(slot, sa - 1).astype(jnp.int32)
+    ends = xp.cumsum(items)
+    i = xp.arange(n, dtype=xp.int32)
+    if xp is jnp:
+        slot = jnp.searchsorted(ends, i, side="right", method="compare_all")  # one fused op on GPU
+    else:
+        slot = np.searchsorted(ends, i, side="right")
+    slot = xp.minimum(slot, sa - 1).astype(xp.int32)
     local = i - (ends[slot] - items[slot])  # this item's place among its slot's
     if rank_tile is None:
         rows = [slot, seg_starts[slot] + local * block_t, seg_starts[slot + 1]]
     else:
-        per = jnp.maximum(ntile[slot], 1)
+        per = xp.maximum(ntile[slot], 1)
         rows = [slot, seg_starts[slot] + (local // per) * block_t, seg_starts[slot + 1], local % per]
-    return jnp.stack(rows).astype(jnp.int32), ends[-1:].astype(jnp.int32), n
+    return xp.stack(rows).astype(xp.int32), ends[-1:].astype(xp.int32), n
 
 
 def block_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, rank_tile: int | None = None,
                    max_rank: int | None = None):
-    """`_block_schedule` on the host (numpy): (sched, total [1]) int32, the same arrays (with
-    rank_tile, the live (block, rank tile) items: sched [4, NB * tiles]). The engine builds it once
-    per step and module while it builds the step's other inputs, and passes it as `schedule=`:
-    the kernels then launch without the schedule's small XLA ops."""
-    ranks = np.asarray(ranks, np.int32)
-    sa = ranks.shape[0]
-    seg_starts = np.clip(np.asarray(seg_starts, np.int32), 0, t)
-    lens = np.maximum(seg_starts[1:] - seg_starts[:-1], 0)
-    nblk = np.where(ranks > 0, (lens + block_t - 1) // block_t, 0)
-    nb = max(1, (t + sa * (block_t - 1)) // block_t)
-    if rank_tile is None:
-        items, n = nblk, nb
-    else:
-        ntile = (np.minimum(ranks, max_rank) + rank_tile - 1) // rank_tile
-        items, n = nblk * ntile, nb * -(-max_rank // rank_tile)
-    ends = np.cumsum(items)
-    i = np.arange(n, dtype=np.int64)
-    slot = np.minimum(np.searchsorted(ends, i, side="right"), sa - 1)
-    local = i - (ends[slot] - items[slot])
-    if rank_tile is None:
-        rows = [slot, seg_starts[slot] + local * block_t, seg_starts[slot + 1]]
-    else:
-        per = np.maximum(ntile[slot], 1)
-        rows = [slot, seg_starts[slot] + (local // per) * block_t, seg_starts[slot + 1], local % per]
-    return np.stack(rows).astype(np.int32), ends[-1:].astype(np.int32)
+    """`_block_schedule` on the host (numpy): (sched, total [1]) int32, the same arrays. The engine
+    builds it once per step and module while it builds the step's other inputs, and passes it as
+    `schedule=`: the kernels then launch without the schedule's small XLA ops."""
+    sched, total, _ = _block_schedule(np.asarray(ranks, np.int32), np.asarray(seg_starts, np.int32), t, block_t,
+                                      rank_tile, max_rank, xp=np)
+    return sched, total
 
 
 def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_rank: int):
