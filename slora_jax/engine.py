@@ -766,8 +766,8 @@ class Engine:
                                 block_t=block_t)
 
     @staticmethod
-    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool = False,
-                   block_t: int = paged.LORA_BLOCK_T, max_rank: int = 64) -> dict | None:
+    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool,
+                   block_t: int, max_rank: int) -> dict | None:
         """The kernels' schedules, built here on the host (one per distinct set of slots or ranks)
         instead of by small XLA ops at every kernel call; None for the one-hot path, which has
         none. schedules[module]: the module's block schedule (expand; the Triton kernels' shrink
