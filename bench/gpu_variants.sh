@@ -5,6 +5,7 @@
 #
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s2     # issue 5's scheduler runs + issue 7's S2 ratio
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s1     # issue 7: S1 n=2000 offered-rate sweep
+#   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh host   # issue 7: host time in the unified step
 #
 # Results: $RESULTS_DIR, else bench/results/<date>-<commit>/ (the folder gpu_suite.sh uses), copied
 # to $OUT after the call. BUDGET_S (default 540): no variant starts that would not end in time.
@@ -17,7 +18,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -72,6 +73,22 @@ case $group in
       --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
       --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
+    ;;
+  host)
+    # Issue 7, session 10's open question: the unified serving step is ~4 ms longer than its device
+    # time. 1-2: capacity pair; 3-4: the same with one host-to-device copy of a step's inputs
+    # (pack_inputs); 5-6: a device trace of 20 steps each, whose idle gaps run.py splits by the
+    # engine's host phase (pool.serving_trace.idle_by_host_phase_us). ~440 s with a cold cache.
+    short=(--warmup-s 5 --no-requests --rate 40)
+    traced=(--trace-steps 20 --trace-after-s 15)
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "S2-unified-n1000-R40:${short[*]}" \
+      --variant "S2-base-R40:--mode base ${short[*]}" \
+      --variant "S2-unified-n1000-R40-packed:${short[*]} --engine pack_inputs=true" \
+      --variant "S2-base-R40-packed:--mode base ${short[*]} --engine pack_inputs=true" \
+      --variant "S2-unified-n1000-R40-traced:${short[*]} ${traced[*]}" \
+      --variant "S2-base-R40-traced:--mode base ${short[*]} ${traced[*]}" \
+      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"
     ;;
   prefetch)
     # Issue 5: how much of the cold-adapter cost a prefetch hides (bench/prefetch_report.py reads
@@ -131,7 +148,7 @@ case $group in
       --variant "S1-unified-n2000-R35:--rate 35" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
     ;;
-  *) echo "unknown group $group (s1, s2, s4, prefetch)"; exit 2 ;;
+  *) echo "unknown group $group (s1, s2, s4, prefetch, host)"; exit 2 ;;
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \

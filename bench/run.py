@@ -196,6 +196,13 @@ def compile_counter() -> _CompileCounter:
     return _counter
 
 
+def _phase(name: str):
+    """This loop's own host work between engine steps, named in a serving trace beside the
+    engine's phases (slora_jax.engine._phase) as `slora.bench_<name>`."""
+    import jax
+    return jax.profiler.TraceAnnotation(f"slora.bench_{name}")
+
+
 def _pool_sample(llm) -> tuple[int, int, int, int]:
     """(resident adapters, adapter pages, KV pages, all pages), cheaply: Engine.stats() also
     summarizes histograms, too much to call after every step."""
@@ -282,19 +289,20 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
     try:
         while True:
             now = time.perf_counter() - t0
-            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
-                rec = recs[nxt]
-                if rec.adapter is not None:
-                    entry = eng.store.entries.get(rec.adapter)
-                    rec.cold = entry is None or entry.key not in eng.pool.adapters
-                try:
-                    out = eng.add_request(prompts[nxt], _sampling(w, rec.output_len), rec.adapter, nxt, eos)
-                    no_token[nxt] = live[nxt] = out
-                    index[out.request_id] = nxt
-                except ValueError as e:
-                    rec.finish_reason, rec.finish_s = "rejected", now
-                    print(f"request {nxt} rejected: {e}", file=sys.stderr)
-                nxt += 1
+            with _phase("arrivals"):
+                while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+                    rec = recs[nxt]
+                    if rec.adapter is not None:
+                        entry = eng.store.entries.get(rec.adapter)
+                        rec.cold = entry is None or entry.key not in eng.pool.adapters
+                    try:
+                        out = eng.add_request(prompts[nxt], _sampling(w, rec.output_len), rec.adapter, nxt, eos)
+                        no_token[nxt] = live[nxt] = out
+                        index[out.request_id] = nxt
+                    except ValueError as e:
+                        rec.finish_reason, rec.finish_s = "rejected", now
+                        print(f"request {nxt} rejected: {e}", file=sys.stderr)
+                    nxt += 1
             if max_wall_s is not None and now > max_wall_s:
                 cut = True
                 break
@@ -309,21 +317,22 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                 # Only running requests get tokens, and step() returns what finished (aborts
                 # included): no scan of a long queue after every step. A full sweep now and then
                 # catches whatever an engine change might stop reporting.
-                running = getattr(eng, "running", None)
-                fresh = [r.out for r in running] if running is not None and steps % 64 else list(live.values())
-                for out in [*finished, *fresh]:
-                    i = index.get(out.request_id)
-                    if i is None:
-                        continue
-                    if i in no_token and out.token_ids:
-                        recs[i].first_token_s = now
-                        del no_token[i]
-                    if out.finished and i in live:
-                        del live[i]
-                        no_token.pop(i, None)
-                        recs[i].finish_s, recs[i].finish_reason = now, out.finish_reason
-                        recs[i].tokens = len(out.token_ids)
-                samples.append(_pool_sample(llm))
+                with _phase("outputs"):
+                    running = getattr(eng, "running", None)
+                    fresh = [r.out for r in running] if running is not None and steps % 64 else list(live.values())
+                    for out in [*finished, *fresh]:
+                        i = index.get(out.request_id)
+                        if i is None:
+                            continue
+                        if i in no_token and out.token_ids:
+                            recs[i].first_token_s = now
+                            del no_token[i]
+                        if out.finished and i in live:
+                            del live[i]
+                            no_token.pop(i, None)
+                            recs[i].finish_s, recs[i].finish_reason = now, out.finish_reason
+                            recs[i].tokens = len(out.token_ids)
+                    samples.append(_pool_sample(llm))
             elif nxt >= len(reqs):
                 for i, out in list(live.items()):  # finished without being reported (see above)
                     recs[i].finish_s, recs[i].finish_reason = now, out.finish_reason
@@ -333,7 +342,8 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                     del live[i]
                 break
             else:
-                time.sleep(max(0.0, reqs[nxt].arrival_s - (time.perf_counter() - t0)))
+                with _phase("wait_for_arrivals"):  # nothing to run until the next request comes
+                    time.sleep(max(0.0, reqs[nxt].arrival_s - (time.perf_counter() - t0)))
     finally:
         counter.active = False
         if tracer is not None:
