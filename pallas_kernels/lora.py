@@ -335,24 +335,28 @@ def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_ra
 
 
 def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int,
-                 schedule=None, clamp: bool = True):
+                 schedule=None, clamp: bool = True, rank_tile: int | None = None):
     """The launch schedule shared by every shrink and expand (Pallas and Triton): ranks clamped to
     max_rank (clamp=False: left to the kernel, which clamps each slot's rank as it reads it: no
-    XLA op per call), the block schedule and its live total (`schedule`, from block_schedule, if
-    given), the block bound NB and the program count."""
+    XLA op per call), the schedule and its live total (`schedule`, from block_schedule, or with
+    rank_tile (compact_tiles) from shrink_schedule, if given), the item bound and the program count."""
     ranks = ranks.astype(jnp.int32)
     if clamp:
         ranks = jnp.minimum(ranks, max_rank)
     if schedule is None:
-        sched, total, nb = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t)
+        sched, total, n = _block_schedule(ranks, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
     else:
         sched, total = schedule
-        nb = max(1, (t + ranks.shape[0] * (block_t - 1)) // block_t)
-        if sched.shape != (3, nb) or total.shape != (1,):
-            raise ValueError(f"schedule shapes {sched.shape}, {total.shape} are not block_schedule's "
-                             f"for {t} tokens, {ranks.shape[0]} slots, block_t {block_t}: (3, {nb}), (1,)")
+        n = max(1, (t + ranks.shape[0] * (block_t - 1)) // block_t)
+        shape, name = (3, n), "block_schedule"
+        if rank_tile is not None:
+            n *= -(-max_rank // rank_tile)
+            shape, name = (4, n), "shrink_schedule"
+        if sched.shape != shape or total.shape != (1,):
+            raise ValueError(f"schedule shapes {sched.shape}, {total.shape} are not {name}'s for {t} tokens, "
+                             f"{ranks.shape[0]} slots, block_t {block_t}: {shape}, (1,)")
         sched, total = sched.astype(jnp.int32), total.astype(jnp.int32)
-    return ranks, sched, total, nb, min(nb, max_programs)
+    return ranks, sched, total, n, min(n, max_programs)
 
 
 def _col_tile(width: int, features: int, cap: int) -> int:
@@ -384,24 +388,12 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     grouped = a_rows.ndim == 3
     a_rows, ranks = (a_rows, ranks) if grouped else (a_rows[None], ranks[None])
     n_modules, slots = ranks.shape
-    # The slots live in any module (a reduction only where the schedule is built here).
+    # The slots live in any module, with compact_tiles each slot's largest rank over them (a
+    # reduction only where the schedule is built here).
     compact = blocks.get("compact_tiles", False)
-    if compact and schedule is None:  # the live tiles of the union of the modules' ranks
-        union = ranks.max(axis=0).astype(jnp.int32) if n_modules > 1 else ranks[0].astype(jnp.int32)
-        sched, total, ni = _block_schedule(union, seg_starts.astype(jnp.int32), t, block_t, rank_tile, max_rank)
-        n_programs = min(ni, max_programs)
-    elif compact:  # shrink_schedule's, built on the host
-        sched, total = schedule
-        ni = max(1, (t + slots * (block_t - 1)) // block_t) * pl.cdiv(max_rank, rank_tile)
-        if sched.shape != (4, ni) or total.shape != (1,):
-            raise ValueError(f"schedule shapes {sched.shape}, {total.shape} are not shrink_schedule's "
-                             f"for {t} tokens, {slots} slots, block_t {block_t}, compact_tiles: (4, {ni}), (1,)")
-        sched, total = sched.astype(jnp.int32), total.astype(jnp.int32)
-        n_programs = min(ni, max_programs)
-    else:
-        live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
-        _, sched, total, nb, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t,
-                                                       max_programs, schedule, clamp=False)
+    live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
+    _, sched, total, _, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t, max_programs, schedule,
+                                                  clamp=False, rank_tile=rank_tile if compact else None)
     ranks = ranks.astype(jnp.int32).reshape(-1)  # clamped in the kernel
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
