@@ -226,6 +226,38 @@ def dispatch_costs(llm, inp, reps: int = 7) -> dict:
     return out
 
 
+def dispatch_sequence(llm, inp, calls: int = 6, gap_s: float = 0.03) -> dict:
+    """Host time of each of the two jits a whole-model step makes (forward_sample, then
+    commit_kv, which donates the pool), call by call, in microseconds: `calls` steps back to back
+    after the device went idle, then `calls` steps each `gap_s` apart (the device idles between
+    them but the host does not wait for it), with numpy and on-device inputs. Says whether a
+    call's host time is a fixed cost, a cost paid only behind a running step, or a first-call cost."""
+    eng = llm.engine
+    inp = jax.tree_util.tree_map(np.asarray, inp)
+    dinp = jax.block_until_ready(jax.device_put(inp, eng.kv[0].sharding))
+    out = {}
+
+    def call(x):
+        a = time.perf_counter()
+        new_kv, res = paged.forward_sample(llm.params, eng.kv, x, cfg=llm.cfg)
+        b = time.perf_counter()
+        eng.kv = paged.commit_kv(eng.kv, new_kv, x.kv_slot)
+        c = time.perf_counter()
+        return res, (round((b - a) * 1e6), round((c - b) * 1e6))
+    for name, x in (("numpy", inp), ("device", dinp)):
+        for mode in ("burst", "gap"):
+            jax.block_until_ready(eng.kv)
+            times = []
+            for _ in range(calls):
+                res, dt = call(x)
+                times.append(dt)
+                if mode == "gap":
+                    time.sleep(gap_s)
+            res.block_until_ready()
+            out[f"{name}_{mode}"] = times
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-7b")
@@ -298,6 +330,14 @@ def main() -> None:
                     eng._release(r)
             print(f"{pair}, {n} adapters, host time of one step call (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
+            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            try:
+                s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
+            finally:
+                for r in reqs:
+                    eng._release(r)
+            for k, v in ds.items():
+                print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
         if per_layer:
             reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
             try:

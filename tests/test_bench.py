@@ -449,3 +449,26 @@ def test_idle_by_phase_splits_each_gap_among_the_host_phases():
     # gap 20-100: schedule 40, inputs 30, 10 of no phase; gap 110-115 is short; gap 120-300: 30
     # of no phase before device_wait's 150 in it
     assert got == {"device_wait": 75.0, "no phase": 20.0, "schedule": 20.0, "inputs": 15.0, "short gaps": 2.5}
+
+
+def test_hlo_commands_counts_a_compiled_entry():
+    """bench/hlo_commands.py reads an optimized HLO module's entry computation: on a real CPU
+    compile of two independent fusable chains and a sort, every counted instruction kind appears
+    in the entry and the fusions are counted once each."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.hlo_commands import entry_counts
+
+    def f(x, y):
+        return jnp.sort(jnp.tanh(x) * 2 + 1), jnp.exp(y) - y
+    text = jax.jit(f).lower(jnp.ones(64), jnp.ones(32)).compile().as_text()
+    counts = entry_counts(text)
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    assert counts, text
+    for kind, n in counts.items():
+        op = kind.split(":")[0]
+        assert entry.count(f" {op}(") >= n > 0, (kind, entry)
+    assert counts.get("fusion", 0) == entry.count(" fusion("), entry
+    assert "parameter" not in counts and "tuple" not in counts
