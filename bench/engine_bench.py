@@ -124,6 +124,33 @@ def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tup
     return reqs, jax.device_put(inp)
 
 
+def prefill_batch(llm: LLM, prompts: int, prompt_len: int, adapters: list[str]) -> tuple[list, object]:
+    """`prompts` fresh prompts of `prompt_len` tokens (random ids), prompt i on adapter i mod
+    len(adapters), admitted with their pages, and the inputs of the one packed prefill step that
+    runs them all (the engine's order: each adapter's tokens contiguous). Release the requests with
+    `llm.engine._release` when done."""
+    eng = llm.engine
+    reqs = []
+    rng = np.random.default_rng(prompts)
+    for i in range(prompts):
+        entry = eng.store.get(adapters[i % len(adapters)]) if adapters else None
+        tokens = rng.integers(3, llm.cfg.vocab_size, prompt_len).tolist()
+        req = Request(f"bench-prefill-{i}", tokens, prompt_len, SamplingParams(max_tokens=1), i,
+                      entry, RequestOutput(f"bench-prefill-{i}", tokens), frozenset(), 0.0)
+        if not (eng._admit(req) and eng._grow(req, prompt_len)):
+            for r in reqs:
+                eng._release(r)
+            raise RuntimeError("pool too small for the prefill batch")
+        reqs.append(req)
+    chunks = [(r, 0, prompt_len) for r in reqs]
+    _group_by_adapter(chunks)
+    inp, _ = eng._prefill_inputs(chunks)
+    if eng.opts.overlap_steps:  # the engine's overlapped steps take the fed-token inputs too
+        t = inp.tokens.shape[0]
+        inp = inp.replace(token_src=np.full(t, -1, np.int32), prev_results=eng._prev_results)
+    return [c[0] for c in chunks], jax.device_put(inp)
+
+
 def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:
     eng = llm.engine
     reqs, inp = decode_batch(llm, batch, context, adapters)

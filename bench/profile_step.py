@@ -33,7 +33,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.engine_bench import decode_batch, randomize_pool, set_backends  # noqa: E402
+from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
@@ -272,13 +272,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--backends", default="xla/xla,pallas/pallas")
     ap.add_argument("--pool-pages", type=int, default=None)
+    ap.add_argument("--prefill", default=None, metavar="N:L",
+                    help="profile packed prefill steps of N fresh prompts of L tokens (prompt i on adapter "
+                         "i mod --adapters) instead of decode steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     counts = [int(n) for n in str(args.adapters).split(",")]
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [args.rank]
 
-    llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=max(args.batch, 1),
-              max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=max(args.batch, 1))
+    prefill = tuple(int(v) for v in args.prefill.split(":")) if args.prefill else None
+    seqs = max(args.batch, prefill[0] if prefill else 1, 1)
+    extra = dict(max_prefill_tokens=max(4096, prefill[0] * prefill[1]), max_prefill_seqs=prefill[0]) if prefill else {}
+    llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=seqs,
+              max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=seqs, **extra)
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
@@ -293,9 +299,14 @@ def main() -> None:
               "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
               "lora_blocks": lora_kernels.BLOCKS, "slora_lora_blocks": os.environ.get("SLORA_LORA_BLOCKS"),
               "runs": []}
+    result["prefill"] = prefill
+
+    def batch_of(adapters):
+        return prefill_batch(llm, *prefill, adapters) if prefill else \
+            decode_batch(llm, args.batch, args.context, adapters)
     for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
-        reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+        reqs, inp = batch_of(names[:n])
         eng = llm.engine
         per_layer = eng.layers_per_call
         try:
@@ -322,7 +333,7 @@ def main() -> None:
         shutil.rmtree(trace_dir, ignore_errors=True)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
         if not per_layer:
-            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            reqs, inp = batch_of(names[:n])
             try:
                 s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
             finally:
@@ -330,7 +341,7 @@ def main() -> None:
                     eng._release(r)
             print(f"{pair}, {n} adapters, host time of one step call (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
-            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            reqs, inp = batch_of(names[:n])
             try:
                 s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
             finally:
@@ -339,7 +350,7 @@ def main() -> None:
             for k, v in ds.items():
                 print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
         if per_layer:
-            reqs, inp = decode_batch(llm, args.batch, args.context, names[:n])
+            reqs, inp = batch_of(names[:n])
             try:
                 s["dispatch_breakdown_us"] = bd = dispatch_breakdown(llm, inp, per_layer)
             finally:

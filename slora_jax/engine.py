@@ -90,8 +90,9 @@ class EngineOptions(SchedulerOptions):
     # kernels 256 -> 192 launches a step, 3.78 -> 3.25 ms.
     lora_group_qkv: bool = True
     # Put a step's host-built input arrays on the device in one copy (paged.device_inputs) instead
-    # of one per array inside the step's call. Off until timed on a GPU: in S2 serving the jitted
-    # call took 9.5 ms of a 23 ms unified step (5.5 of 17.7 without adapters, ~40 vs ~14 arrays).
+    # of one per array inside the step's call. Off: timed on the H200 in S2 serving at capacity
+    # (bench/results/20261130-417b14d/serving-host, one process) it changed nothing: 20.3 -> 20.3
+    # req/s with adapters, 26.3 -> 26.4 without; the jitted call's host time 9.4 -> 9.3 ms a step.
     pack_inputs: bool = False
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
@@ -110,6 +111,10 @@ class EngineOptions(SchedulerOptions):
     # (bench/results/20261129-3db7756): served 14.5 -> 17.9 req/s with adapters, 21.0 -> 25.0 for
     # the base model; the host's wait for a step's tokens fell from 9.9 to 1.7 ms a step.
     overlap_steps: bool | None = None
+    # Overlapped steps: start copying a step's results to the host as soon as it is dispatched
+    # (jax.Array.copy_to_host_async), so the transfer runs when the step ends instead of when the
+    # host asks for the tokens one step later. Not yet timed on a GPU.
+    async_results_copy: bool = True
     host_cache_size: int = 256
     # GiB of packed adapter rows host memory may hold (pinned where the platform has it), on top of
     # the file count: None, 40% of the machine's memory.
@@ -437,6 +442,8 @@ class Engine:
                 self._write_adapters(self.sched.prefetch(plan), speculative=True)
                 self.sched.advance(plan)
             t_wait = time.perf_counter()
+            if self.opts.async_results_copy:
+                results.copy_to_host_async()
             launched = _InFlight(plan, results, t, first_run)
             self.step_count += 1
         finished = list(plan.finished)

@@ -1037,6 +1037,28 @@ def test_overlapped_steps_match_reference(paths, ref, monkeypatch, case):
     assert_drained(engine)
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["async_copy", "copy_on_read"])
+def test_overlapped_steps_start_the_results_copy_at_dispatch(paths, ref, monkeypatch, early):
+    """async_results_copy: each dispatched step's results start their copy to the host right away
+    (once per step, on the array the next step reads), off: never; the tokens are the same."""
+    from jax._src.array import ArrayImpl
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, overlap_steps=True, async_results_copy=early)
+    fed = _spy_fed_tokens(monkeypatch)
+    started = []
+    real = ArrayImpl.copy_to_host_async
+
+    def spy(self):
+        started.append(self.shape)
+        return real(self)
+    monkeypatch.setattr(ArrayImpl, "copy_to_host_async", spy)
+    outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
+    assert_same(outs, ref["old"])
+    steps = len(fed)
+    assert steps > 1
+    assert len(started) == (steps if early else 0), (started, steps)
+    assert_drained(engine)
+
+
 def test_overlapped_steps_stop_tokens_and_seeded_sampling_match_plain_steps(paths, llm, ref, monkeypatch):
     """A row that stops on a stop token while its next step is already dispatched: that step's
     token is dropped, the pages come back, and every other row (seeded sampling included) gets

@@ -282,12 +282,13 @@ def test_paged_engine_configurations(oracle, model, config):
         opts = dict(compile_per_layer=True)
     else:
         opts = dict(page_size=4, max_num_seqs=3)
-        probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", pool_pages=4096, **opts)
+        probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **{**_llm_options(), **opts,
+                                                                                    "pool_pages": 4096})
         pages = sorted(probe.store.get(a).layout.pages for a in adapters)
         kv = opts["max_num_seqs"] * -(-(max(map(len, prompts)) + 8) // opts["page_size"])
         opts["pool_pages"] = 1 + kv + pages[-1] + pages[-2]  # at most two adapters at a time
         assert sum(pages) > pages[-1] + pages[-2]
-    llm = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **opts)
+    llm = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **{**_llm_options(), **opts})
     outs = llm.generate(prompts, _greedy(), adapter=names)
     for out, (p, a) in zip(outs, MIXED):
         _check_generation(out, oracle, model, a, p, what=f"{config}: ")
