@@ -6,6 +6,7 @@ fast, unified ÷ base could be at most base bytes ÷ (base bytes + adapter bytes
 same batch. S-LoRA's S2 at n = 1000 (alpha = 1: nearly one adapter per row) gives ~0.86.
 
     python bench/ceiling.py bench/results/20261129-3db7756/S2-unified-n1000-R40-overlap.json
+    python bench/ceiling.py RUN.json --base BASE.json   # also over all steps, prefill included
 
 reads the run's workload (model, ranks, length ranges, target modules q/k/v/o) and its measured
 rows and distinct adapters a decode step; `--rows/--adapters/--context` override them.
@@ -47,12 +48,26 @@ def step_bytes(cfg, rows: float, context: float, adapters: float, mean_rank: flo
     return (weights + rows * context * kv_per_token) * itemsize, adapters * mean_rank * per_rank * itemsize
 
 
+def blended_ceiling(base_run: dict, decode_ceiling: float) -> dict:
+    """Unified / base over a whole run at the decode ceiling: the base run's prefill and decode
+    steps, prefill at its own time (no adapter bytes: an upper bound) and decode at its time /
+    decode_ceiling."""
+    k = base_run["pool"]["steps_by_kind"]
+    pre = k["prefill_steps"] * k["prefill_step_s_mean"]
+    dec = k["decode_steps"] * k["decode_step_s_mean"]
+    return {"base_prefill_share": pre / (pre + dec), "ceiling_all_steps": (pre + dec) / (pre + dec / decode_ceiling)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="a bench/run.py trace JSON (unified mode)")
     ap.add_argument("--rows", type=float, default=None, help="sequences a decode step (default: the run's)")
     ap.add_argument("--adapters", type=float, default=None, help="distinct adapters a step (default: the run's)")
     ap.add_argument("--context", type=float, default=None, help="mean context (default: from the length ranges)")
+    ap.add_argument("--base", default=None,
+                    help="the base model's run on the same trace: also the ceiling over all steps, its prefill "
+                         "steps (which carry a prompt or two, i.e. hardly any adapter bytes) counted at their "
+                         "measured time and its decode steps stretched by the decode ceiling")
     args = ap.parse_args(argv)
     from slora_jax.config import load_model_config
 
@@ -67,6 +82,8 @@ def main(argv=None) -> dict:
     out = {"run": args.run, "model": w["model"], "rows": rows, "adapters": adapters, "mean_rank": mean_rank,
            "mean_context": context, "base_GB": base / 1e9, "adapter_GB": lora / 1e9,
            "ceiling": base / (base + lora)}
+    if args.base:
+        out.update(blended_ceiling(json.loads(Path(args.base).read_text()), out["ceiling"]))
     print(json.dumps(out, indent=1))
     return out
 

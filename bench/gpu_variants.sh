@@ -76,16 +76,17 @@ case $group in
     ;;
   host)
     # Issue 7, session 10's open question: the unified serving step is ~4 ms longer than its device
-    # time. 1-2: capacity pair; 3-4: the same with one host-to-device copy of a step's inputs
-    # (pack_inputs); 5-6: a device trace of 20 steps each, whose idle gaps run.py splits by the
+    # time. 1-2: capacity pair; 3-4: the same without async_results_copy (each step's results
+    # copied to the host only when the next step asks for them; session 11 timed pack_inputs here:
+    # no change); 5-6: a device trace of 20 steps each, whose idle gaps run.py splits by the
     # engine's host phase (pool.serving_trace.idle_by_host_phase_us). ~440 s with a cold cache.
     short=(--warmup-s 5 --no-requests --rate 40)
     traced=(--trace-steps 20 --trace-after-s 15)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "S2-unified-n1000-R40:${short[*]}" \
       --variant "S2-base-R40:--mode base ${short[*]}" \
-      --variant "S2-unified-n1000-R40-packed:${short[*]} --engine pack_inputs=true" \
-      --variant "S2-base-R40-packed:--mode base ${short[*]} --engine pack_inputs=true" \
+      --variant "S2-unified-n1000-R40-copy-on-read:${short[*]} --engine async_results_copy=false" \
+      --variant "S2-base-R40-copy-on-read:--mode base ${short[*]} --engine async_results_copy=false" \
       --variant "S2-unified-n1000-R40-traced:${short[*]} ${traced[*]}" \
       --variant "S2-base-R40-traced:--mode base ${short[*]} ${traced[*]}" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"

@@ -392,6 +392,19 @@ def test_ceiling_mean_context_and_bytes():
     assert base0 > 13e9 and base0 < cfg.num_params() * 2  # the embedding table is read as rows
 
 
+def test_ceiling_over_all_steps():
+    """bench/ceiling.py --base: prefill steps at their time, decode steps at time / ceiling."""
+    from bench.ceiling import blended_ceiling
+
+    def run(pre_n, pre_s, dec_n, dec_s):
+        return {"pool": {"steps_by_kind": {"prefill_steps": pre_n, "prefill_step_s_mean": pre_s,
+                                           "decode_steps": dec_n, "decode_step_s_mean": dec_s}}}
+    out = blended_ceiling(run(10, 0.1, 30, 0.1), 0.75)  # 1 s of prefill, 3 s of decode -> 1 + 4 s
+    assert abs(out["ceiling_all_steps"] - 4 / 5) < 1e-12 and abs(out["base_prefill_share"] - 0.25) < 1e-12
+    assert abs(blended_ceiling(run(0, 0.1, 30, 0.1), 0.6)["ceiling_all_steps"] - 0.6) < 1e-12
+    assert blended_ceiling(run(5, 0.2, 7, 0.1), 1.0)["ceiling_all_steps"] == 1.0
+
+
 def _prefetch_run(waits: list[float | None], aborts: dict[int, float] | None = None, wall: float = 50.0) -> dict:
     """A run.py JSON of len(waits) requests arriving a second apart, request i's first token
     waits[i] seconds after arrival (None: none; aborts[i] gives its abort time, else cut off)."""
