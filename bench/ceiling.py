@@ -74,8 +74,11 @@ def main(argv=None) -> dict:
     run = json.loads(Path(args.run).read_text())
     w, k = run["workload"], run["pool"]["steps_by_kind"]
     cfg = load_model_config(w["model"])
-    rows = args.rows if args.rows is not None else k["seqs_per_step_mean"]
-    adapters = args.adapters if args.adapters is not None else k["adapters_per_step_mean"]
+    # Decode steps' own means where the run has them (run.py since session 11); older runs have
+    # the means over all steps, which prefill steps (a prompt or two each) pull down.
+    rows = args.rows if args.rows is not None else k.get("decode_seqs_per_step_mean") or k["seqs_per_step_mean"]
+    adapters = args.adapters if args.adapters is not None else \
+        k.get("decode_adapters_per_step_mean") or k["adapters_per_step_mean"]
     context = args.context if args.context is not None else mean_decode_context(w["input_range"], w["output_range"])
     mean_rank = sum(w["ranks"]) / len(w["ranks"])  # adapter i has rank ranks[i % len(ranks)]
     base, lora = step_bytes(cfg, rows, context, adapters, mean_rank)

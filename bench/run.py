@@ -389,7 +389,8 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
     d = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "prefill_step_seconds_count", "prefill_step_seconds_sum", "decode_step_seconds_count",
         "decode_step_seconds_sum", "batch_size_count", "batch_size_sum", "batch_adapters_count",
-        "batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps")}
+        "batch_adapters_sum", "decode_batch_size_count", "decode_batch_size_sum", "decode_batch_adapters_count",
+        "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps")}
 
     def mean(total, n):
         return d[total] / d[n] if d[n] else None
@@ -398,6 +399,8 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
             "decode_step_s_mean": mean("decode_step_seconds_sum", "decode_step_seconds_count"),
             "seqs_per_step_mean": mean("batch_size_sum", "batch_size_count"),
             "adapters_per_step_mean": mean("batch_adapters_sum", "batch_adapters_count"),
+            "decode_seqs_per_step_mean": mean("decode_batch_size_sum", "decode_batch_size_count"),
+            "decode_adapters_per_step_mean": mean("decode_batch_adapters_sum", "decode_batch_adapters_count"),
             "prefetch_hits": d["prefetch_hits"], "prefetch_misses": d["prefetch_misses"],
             "mixed_steps": d["mixed_steps"]}
 
@@ -493,6 +496,8 @@ def table(result: dict) -> str:
             rows += [("prefill / decode steps (ms each)", f"{k['prefill_steps']} ({ms(k['prefill_step_s_mean'])}) / "
                                                           f"{k['decode_steps']} ({ms(k['decode_step_s_mean'])})"),
                      ("sequences / adapters a step", f"{num(k['seqs_per_step_mean'])} / {num(k['adapters_per_step_mean'])}"),
+                     ("sequences / adapters a decode step",
+                      f"{num(k.get('decode_seqs_per_step_mean'))} / {num(k.get('decode_adapters_per_step_mean'))}"),
                      ("prefetch hits / misses", f"{k['prefetch_hits']} / {k['prefetch_misses']}")]
         ph = p.get("step_seconds")
         if ph and p.get("steps"):

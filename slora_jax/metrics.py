@@ -83,6 +83,8 @@ class EngineMetrics:
         self.running = Gauge("requests in the running batch")
         self.batch_size = Histogram("sequences per step", COUNT_BUCKETS)
         self.batch_adapters = Histogram("distinct adapters per step", COUNT_BUCKETS)
+        self.decode_batch_size = Histogram("sequences per decode step", COUNT_BUCKETS)
+        self.decode_batch_adapters = Histogram("distinct adapters per decode step", COUNT_BUCKETS)
         self.prefill_step_seconds = Histogram("prefill step time (dispatch to results)")
         self.decode_step_seconds = Histogram("decode step time (dispatch to results)")
         self.mixed_steps = Counter("prefill steps that also decoded running requests (mixed_steps)")

@@ -322,8 +322,12 @@ class Scheduler:
         if seconds is not None:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
+        adapters = len({r.adapter.key for r in plan.requests if r.adapter is not None})
         m.batch_size.observe(len(plan.chunks))
-        m.batch_adapters.observe(len({r.adapter.key for r in plan.requests if r.adapter is not None}))
+        m.batch_adapters.observe(adapters)
+        if plan.kind == "decode":
+            m.decode_batch_size.observe(len(plan.chunks))
+            m.decode_batch_adapters.observe(adapters)
 
     def _first_token(self, req: Request, now: float) -> None:
         if req.first_token_at is None:

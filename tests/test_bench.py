@@ -177,6 +177,9 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     k, ph = p["steps_by_kind"], p["step_seconds"]  # what the run's time was made of
     assert k["prefill_steps"] + k["decode_steps"] <= p["steps"] and k["decode_steps"] > 0
     assert 1.0 <= k["seqs_per_step_mean"] and 0.0 < k["adapters_per_step_mean"] <= k["seqs_per_step_mean"]
+    # decode steps alone: at least as many rows as the average step (prefill steps pack few prompts)
+    assert k["seqs_per_step_mean"] <= k["decode_seqs_per_step_mean"]
+    assert 0.0 < k["decode_adapters_per_step_mean"] <= k["decode_seqs_per_step_mean"]
     assert ph["device_wait"] > 0 and ph["inputs"] > 0 and all(v >= 0 for v in ph.values())
     assert sum(ph.values()) <= p["wall_s"]
     st = p["serving_trace"]  # 4 traced steps, summed by kernel on the CPU client's XLA threads
