@@ -133,9 +133,10 @@ def prefill_batch(llm: LLM, prompts: int, prompt_len: int, adapters: list[str]) 
     reqs = []
     rng = np.random.default_rng(prompts)
     for i in range(prompts):
-        entry = eng.store.get(adapters[i % len(adapters)]) if adapters else None
+        name = adapters[i % len(adapters)] if adapters else None
+        entry = eng.store.get(name) if name else None  # None: a base-model row
         tokens = rng.integers(3, llm.cfg.vocab_size, prompt_len).tolist()
-        req = Request(f"bench-prefill-{i}", tokens, prompt_len, SamplingParams(max_tokens=1), i,
+        req = Request(f"bench-prefill-{i}", tokens, prompt_len, SamplingParams(max_tokens=1, temperature=0.0), i,
                       entry, RequestOutput(f"bench-prefill-{i}", tokens), frozenset(), 0.0)
         if not (eng._admit(req) and eng._grow(req, prompt_len)):
             for r in reqs:

@@ -90,12 +90,13 @@ if has profile; then
   # PROFILE_BLOCKS: LoRA kernel settings (JSON merged into pallas_kernels.lora.BLOCKS through
   # SLORA_LORA_BLOCKS), one profile each, in one call: profile_step.json for the first (or the
   # defaults), profile_step-<i>.json for setting i > 0. PROFILE_PREFILL=N:L: packed prefill steps
-  # of N prompts of L tokens instead of decode steps (profile_step --prefill).
+  # of N prompts of L tokens instead of decode steps (profile_step --prefill); PROFILE_CONTEXT:
+  # the decode rows' context (default 512).
   i=0
   for cfg in ${PROFILE_BLOCKS:-'{}'}; do
     tag=$([[ $i == 0 ]] && echo "" || echo "-$i")
     SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
-      --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} ${PROFILE_PREFILL:+--prefill "$PROFILE_PREFILL"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
+      --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} ${PROFILE_PREFILL:+--prefill "$PROFILE_PREFILL"} ${PROFILE_CONTEXT:+--context "$PROFILE_CONTEXT"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
       > "$OUT/profile_step$tag.log" 2>&1
     echo "profile_step $cfg rc=$?"
     rm -rf /tmp/slora-prof-* /tmp/slora-trace-*  # a run killed by timeout leaves ~14 GB of adapters

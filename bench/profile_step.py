@@ -282,7 +282,9 @@ def main() -> None:
 
     prefill = tuple(int(v) for v in args.prefill.split(":")) if args.prefill else None
     seqs = max(args.batch, prefill[0] if prefill else 1, 1)
-    extra = dict(max_prefill_tokens=max(4096, prefill[0] * prefill[1]), max_prefill_seqs=prefill[0]) if prefill else {}
+    # Prefill rows and LoRA slots come in buckets of max_prefill_seqs: keep S1/S2's 32 (their configs).
+    extra = dict(max_prefill_tokens=max(4096, prefill[0] * prefill[1]), max_prefill_seqs=max(32, prefill[0])) \
+        if prefill else {}
     llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=seqs,
               max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=seqs, **extra)
     randomize_pool(llm)

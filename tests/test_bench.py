@@ -488,3 +488,29 @@ def test_hlo_commands_counts_a_compiled_entry():
         assert entry.count(f" {op}(") >= n > 0, (kind, entry)
     assert counts.get("fusion", 0) == entry.count(" fusion("), entry
     assert "parameter" not in counts and "tuple" not in counts
+
+
+def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
+    """bench/engine_bench.prefill_batch (profile_step --prefill): its one packed prefill step,
+    run as the profile runs it, samples each prompt's first token as LLM.generate does."""
+    import jax
+    from bench.engine_bench import prefill_batch
+    from slora_jax import LLM, SamplingParams, paged
+    from slora_jax.adapters import random_peft_adapter
+
+    llm = LLM("tiny", max_num_seqs=8, max_lora_rank=16)
+    for i, r in enumerate((8, 16)):
+        llm.load_adapter(f"a{i}", random_peft_adapter(tmp_path / f"a{i}", llm.cfg, rank=r, seed=i, std=0.05,
+                                                      targets=["q_proj", "v_proj", "o_proj"]))
+    reqs, inp = prefill_batch(llm, 5, 24, ["a0", "a1", None])
+    eng = llm.engine
+    try:
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=0)
+        got = np.asarray(jax.device_get(res))[:len(reqs), 0].astype(int).tolist()
+    finally:
+        for r in reqs:
+            eng._release(r)
+    assert sorted(r.adapter_name or "" for r in reqs) == ["", "a0", "a0", "a1", "a1"]  # prompt i on adapter i mod 3
+    outs = llm.generate([r.tokens for r in reqs], SamplingParams(max_tokens=1, temperature=0.0),
+                        adapter=[r.adapter_name for r in reqs])
+    assert got == [o.token_ids[0] for o in outs]
