@@ -104,24 +104,35 @@ def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tup
     """`batch` requests of `context` tokens (random KV) admitted into the pool, in the engine's
     adapter-grouped order, and the device inputs of their decode step. Release the requests with
     `llm.engine._release` when done."""
+    reqs = _admitted(llm, batch, context, adapters, decode=True)
+    inp, _ = llm.engine._decode_inputs(reqs)
+    return reqs, jax.device_put(inp)
+
+
+def _admitted(llm: LLM, n: int, length: int, adapters: list, decode: bool) -> list:
+    """n requests of `length` random tokens, request i on adapters[i % len] (None or no list: the
+    base model), admitted into the pool with pages for every token, in the engine's order (each
+    adapter's requests contiguous, base last). decode: the last token is the one to compute (its
+    context is in the pool, as random KV); else a fresh prompt, greedy, one token to generate."""
     eng = llm.engine
     reqs = []
-    rng = np.random.default_rng(batch)
-    for i in range(batch):
-        entry = eng.store.get(adapters[i % len(adapters)]) if adapters else None
-        tokens = rng.integers(3, llm.cfg.vocab_size, context).tolist()
-        req = Request(f"bench-{batch}-{i}", tokens, context - 1, SamplingParams(max_tokens=1 << 20), i,
-                      entry, RequestOutput(f"bench-{i}", tokens), frozenset(), 0.0, num_computed=context - 1)
-        if not (eng._admit(req) and eng._grow(req, context)):
+    rng = np.random.default_rng(n)
+    for i in range(n):
+        name = adapters[i % len(adapters)] if adapters else None
+        entry = eng.store.get(name) if name else None
+        tokens = rng.integers(3, llm.cfg.vocab_size, length).tolist()
+        rid = f"bench-{'decode' if decode else 'prefill'}-{n}-{i}"
+        params = SamplingParams(max_tokens=1 << 20) if decode else SamplingParams(max_tokens=1, temperature=0.0)
+        req = Request(rid, tokens, length - 1 if decode else length, params, i, entry, RequestOutput(rid, tokens),
+                      frozenset(), 0.0, num_computed=length - 1 if decode else 0)
+        if not (eng._admit(req) and eng._grow(req, length)):
             for r in reqs:
                 eng._release(r)
-            raise RuntimeError("pool too small for the decode benchmark")
+            raise RuntimeError(f"pool too small for {n} benchmark requests of {length} tokens")
         reqs.append(req)
     chunks = [(r, 0, 0) for r in reqs]
-    _group_by_adapter(chunks)  # the engine's order: each adapter's tokens contiguous, base last
-    reqs = [c[0] for c in chunks]
-    inp, _ = eng._decode_inputs(reqs)
-    return reqs, jax.device_put(inp)
+    _group_by_adapter(chunks)
+    return [c[0] for c in chunks]
 
 
 def prefill_batch(llm: LLM, prompts: int, prompt_len: int, adapters: list[str]) -> tuple[list, object]:
@@ -130,26 +141,12 @@ def prefill_batch(llm: LLM, prompts: int, prompt_len: int, adapters: list[str]) 
     runs them all (the engine's order: each adapter's tokens contiguous). Release the requests with
     `llm.engine._release` when done."""
     eng = llm.engine
-    reqs = []
-    rng = np.random.default_rng(prompts)
-    for i in range(prompts):
-        name = adapters[i % len(adapters)] if adapters else None
-        entry = eng.store.get(name) if name else None  # None: a base-model row
-        tokens = rng.integers(3, llm.cfg.vocab_size, prompt_len).tolist()
-        req = Request(f"bench-prefill-{i}", tokens, prompt_len, SamplingParams(max_tokens=1, temperature=0.0), i,
-                      entry, RequestOutput(f"bench-prefill-{i}", tokens), frozenset(), 0.0)
-        if not (eng._admit(req) and eng._grow(req, prompt_len)):
-            for r in reqs:
-                eng._release(r)
-            raise RuntimeError("pool too small for the prefill batch")
-        reqs.append(req)
-    chunks = [(r, 0, prompt_len) for r in reqs]
-    _group_by_adapter(chunks)
-    inp, _ = eng._prefill_inputs(chunks)
+    reqs = _admitted(llm, prompts, prompt_len, adapters, decode=False)
+    inp, _ = eng._prefill_inputs([(r, 0, prompt_len) for r in reqs])
     if eng.opts.overlap_steps:  # the engine's overlapped steps take the fed-token inputs too
         t = inp.tokens.shape[0]
         inp = inp.replace(token_src=np.full(t, -1, np.int32), prev_results=eng._prev_results)
-    return [c[0] for c in chunks], jax.device_put(inp)
+    return reqs, jax.device_put(inp)
 
 
 def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters: int, bw: float) -> dict:

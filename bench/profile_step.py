@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -303,15 +304,21 @@ def main() -> None:
               "runs": []}
     result["prefill"] = prefill
 
+    @contextlib.contextmanager
     def batch_of(adapters):
-        return prefill_batch(llm, *prefill, adapters) if prefill else \
+        """A step's inputs over `adapters` (decode or --prefill), its requests released after."""
+        reqs, inp = prefill_batch(llm, *prefill, adapters) if prefill else \
             decode_batch(llm, args.batch, args.context, adapters)
+        try:
+            yield inp
+        finally:
+            for r in reqs:
+                llm.engine._release(r)
     for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
-        reqs, inp = batch_of(names[:n])
         eng = llm.engine
         per_layer = eng.layers_per_call
-        try:
+        with batch_of(names[:n]) as inp:
             for _ in range(2):  # compile and warm up outside the trace
                 eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
             res.block_until_ready()
@@ -328,36 +335,21 @@ def main() -> None:
                 for _ in range(args.steps):
                     eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
                 res.block_until_ready()
-        finally:
-            for r in reqs:
-                eng._release(r)
         s = summarize(device_events(trace_dir), args.steps, args.top)
         shutil.rmtree(trace_dir, ignore_errors=True)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
         if not per_layer:
-            reqs, inp = batch_of(names[:n])
-            try:
+            with batch_of(names[:n]) as inp:
                 s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
-            finally:
-                for r in reqs:
-                    eng._release(r)
             print(f"{pair}, {n} adapters, host time of one step call (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
-            reqs, inp = batch_of(names[:n])
-            try:
+            with batch_of(names[:n]) as inp:
                 s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
-            finally:
-                for r in reqs:
-                    eng._release(r)
             for k, v in ds.items():
                 print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
         if per_layer:
-            reqs, inp = batch_of(names[:n])
-            try:
+            with batch_of(names[:n]) as inp:
                 s["dispatch_breakdown_us"] = bd = dispatch_breakdown(llm, inp, per_layer)
-            finally:
-                for r in reqs:
-                    eng._release(r)
             print(f"{pair}, {n} adapters, host time of one step's calls (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in bd.items()), flush=True)
         result["runs"].append({"backends": pair, "adapters": n, **s})
