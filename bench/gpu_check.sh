@@ -91,23 +91,26 @@ if has profile; then
   # SLORA_LORA_BLOCKS), one profile each, in one call: profile_step.json for the first (or the
   # defaults), profile_step-<i>.json for setting i > 0. PROFILE_PREFILL=N:L: packed prefill steps
   # of N prompts of L tokens instead of decode steps (profile_step --prefill); PROFILE_CONTEXT:
-  # the decode rows' context (default 512).
+  # the decode rows' context (default 512). PROFILE_HLO=<regex>: the first setting's run also dumps
+  # forward_sample's optimized HLO; hlo.json counts its entry instructions by kind and holds the
+  # fused computations of those named like the regex (bench/hlo_commands.py).
   i=0
   for cfg in ${PROFILE_BLOCKS:-'{}'}; do
     tag=$([[ $i == 0 ]] && echo "" || echo "-$i")
-    SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
+    dump=""
+    [[ $i == 0 && -n ${PROFILE_HLO:-} ]] && dump="--xla_dump_to=/tmp/slora-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_sample"
+    XLA_FLAGS="${XLA_FLAGS:-} $dump" SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
       --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} ${PROFILE_PREFILL:+--prefill "$PROFILE_PREFILL"} ${PROFILE_CONTEXT:+--context "$PROFILE_CONTEXT"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
       > "$OUT/profile_step$tag.log" 2>&1
     echo "profile_step $cfg rc=$?"
+    if [[ -n $dump ]]; then
+      python3 bench/hlo_commands.py /tmp/slora-hlo --show "$PROFILE_HLO" > "$OUT/hlo.json"
+      rm -rf /tmp/slora-hlo
+    fi
     rm -rf /tmp/slora-prof-* /tmp/slora-trace-*  # a run killed by timeout leaves ~14 GB of adapters
     grep -v "^W1\|^I1" "$OUT/profile_step$tag.log" | grep -iE "lora|device|kernels" | tail -12
     i=$((i + 1))
   done
-  # The GPU client's command-buffer (CUDA graph) flags and their defaults, beside the profile:
-  # whether a step's kernels go out as graphs or one launch at a time.
-  { echo "== XLA GPU flags (command buffers, graphs)"
-    XLA_FLAGS=--help timeout 60 python3 -c 'import jax; jax.numpy.zeros(1).block_until_ready()' 2>&1 \
-      | grep -iE "command_buffer|graph" ; } >> "$OUT/profile_step.log"
   grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -60
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save

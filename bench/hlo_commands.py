@@ -37,16 +37,37 @@ def entry_counts(text: str) -> dict:
     return dict(counts.most_common())
 
 
+def fusion_bodies(text: str, pattern: str, limit: int = 3) -> dict:
+    """The fused computations that entry instructions named like `pattern` (a regex, e.g.
+    "loop_reduce_fusion") call, by instruction name, at most `limit`: what such a kernel does."""
+    m = re.search(r"^ENTRY [^\n]*\{\n(.*?)^\}", text, re.S | re.M)
+    out = {}
+    for line in (m.group(1) if m else "").splitlines():
+        name = re.match(r"\s*(?:ROOT\s+)?%?([\w.-]+)\s*=", line)
+        calls = re.search(r"calls=%?([\w.-]+)", line)
+        if not (name and calls and re.search(pattern, name.group(1))):
+            continue
+        body = re.search(rf"^%?{re.escape(calls.group(1))} [^\n]*\{{\n.*?^\}}", text, re.S | re.M)
+        out[name.group(1)] = body.group(0) if body else "?"
+        if len(out) >= limit:
+            break
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dump_dir")
     ap.add_argument("--match", default="forward_sample")
+    ap.add_argument("--show", default=None, help="regex: also print the fused computations of entry "
+                                                 "instructions so named (e.g. loop_reduce_fusion)")
     args = ap.parse_args()
     out = {}
     for path in sorted(glob.glob(f"{args.dump_dir}/*{args.match}*after_optimizations.txt")):
         text = open(path).read()
         out[path.rsplit("/", 1)[-1]] = {"entry": entry_counts(text),
                                         "command_buffer_computations": len(re.findall(r"^%?command_buffer[\w.]* ", text, re.M))}
+        if args.show:
+            out[path.rsplit("/", 1)[-1]]["fusions"] = fusion_bodies(text, args.show)
     print(json.dumps(out, indent=1))
 
 

@@ -488,6 +488,13 @@ def test_hlo_commands_counts_a_compiled_entry():
         assert entry.count(f" {op}(") >= n > 0, (kind, entry)
     assert counts.get("fusion", 0) == entry.count(" fusion("), entry
     assert "parameter" not in counts and "tuple" not in counts
+    from bench.hlo_commands import fusion_bodies
+    bodies = fusion_bodies(text, "fusion", limit=10)
+    named = [ln for ln in entry.splitlines() if " fusion(" in ln and "fusion =" in ln.split("(")[0]]
+    assert bodies and len(bodies) == len(named), (bodies.keys(), named)
+    for name, body in bodies.items():  # each the computation its instruction calls
+        called = next(ln for ln in named if f"%{name} =" in ln).split("calls=")[1].split(",")[0]
+        assert body.startswith(called + " ") and body.rstrip().endswith("}"), (name, body[:200])
 
 
 def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
