@@ -113,8 +113,8 @@ class EngineOptions(SchedulerOptions):
     overlap_steps: bool | None = None
     # Overlapped steps: start copying a step's results to the host as soon as it is dispatched
     # (jax.Array.copy_to_host_async), so the transfer runs when the step ends instead of when the
-    # host asks for the tokens one step later. Not yet timed on a GPU.
-    async_results_copy: bool = True
+    # host asks for the tokens one step later. Off until timed on a GPU (gpu_variants.sh host).
+    async_results_copy: bool = False
     host_cache_size: int = 256
     # GiB of packed adapter rows host memory may hold (pinned where the platform has it), on top of
     # the file count: None, 40% of the machine's memory.
