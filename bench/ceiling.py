@@ -3,7 +3,8 @@
 A decode step reads the model's weights once, every running sequence's KV cache, and (with
 adapters) the A and B of every distinct adapter in the batch. If both engines moved bytes equally
 fast, unified ÷ base could be at most base bytes ÷ (base bytes + adapter bytes) per step at the
-same batch. S-LoRA's S2 at n = 1000 (alpha = 1: nearly one adapter per row) gives ~0.86.
+same batch. S-LoRA's S2 at n = 1000 (alpha = 1: nearly one adapter per row) gives ~0.84 a decode
+step (session 11: 172 rows on ~156 adapters) and ~0.88 over all steps (`--base`).
 
     python bench/ceiling.py bench/results/20261129-3db7756/S2-unified-n1000-R40-overlap.json
     python bench/ceiling.py RUN.json --base BASE.json   # also over all steps, prefill included
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="a bench/run.py trace JSON (unified mode)")
     ap.add_argument("--rows", type=float, default=None, help="sequences a decode step (default: the run's)")
-    ap.add_argument("--adapters", type=float, default=None, help="distinct adapters a step (default: the run's)")
+    ap.add_argument("--adapters", type=float, default=None, help="distinct adapters a decode step (default: the run's)")
     ap.add_argument("--context", type=float, default=None, help="mean context (default: from the length ranges)")
     ap.add_argument("--base", default=None,
                     help="the base model's run on the same trace: also the ceiling over all steps, its prefill "
