@@ -273,6 +273,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--backends", default="xla/xla,pallas/pallas")
     ap.add_argument("--pool-pages", type=int, default=None)
+    ap.add_argument("--distinct-files", type=int, default=4,
+                    help="weight files written per rank, shared by the adapter names (each name still has "
+                         "its own pages); more names than files saves the writing of GBs of adapters")
     ap.add_argument("--prefill", default=None, metavar="N:L",
                     help="profile packed prefill steps of N fresh prompts of L tokens (prompt i on adapter "
                          "i mod --adapters) instead of decode steps")
@@ -291,11 +294,16 @@ def main() -> None:
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
-    names = []
+    # Adapter i has rank ranks[i % len] and its weights from one of --distinct-files files of that
+    # rank; every name has pages of its own in the pool (the store keys pages by name), so the
+    # kernels read each adapter's rows separately whatever file they came from.
+    names, files = [], {}
     for i in range(max(counts)):
-        path = random_peft_adapter(tmp / f"a{i}", llm.cfg, rank=ranks[i % len(ranks)],
-                                   targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=i, std=0.02)
-        llm.load_adapter(f"lora-{i}", path)
+        rank, f = ranks[i % len(ranks)], (i // len(ranks)) % args.distinct_files
+        if (rank, f) not in files:
+            files[rank, f] = random_peft_adapter(tmp / f"r{rank}-{f}", llm.cfg, rank=rank, std=0.02,
+                                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=len(files))
+        llm.load_adapter(f"lora-{i}", files[rank, f])
         names.append(f"lora-{i}")
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
