@@ -194,6 +194,15 @@ def dispatch_breakdown(llm, inp, per_layer: int, reps: int = 4) -> dict:
     return out
 
 
+def _numpy_and_device(llm, inp):
+    """A step's inputs as the engine builds them (numpy; decode_batch puts them), the same already
+    on the device, and the seconds that device_put took."""
+    inp = jax.tree_util.tree_map(np.asarray, inp)
+    t0 = time.perf_counter()
+    dinp = jax.block_until_ready(jax.device_put(inp, llm.engine.kv[0].sharding))
+    return inp, dinp, time.perf_counter() - t0
+
+
 def dispatch_costs(llm, inp, reps: int = 7) -> dict:
     """Host time of one paged.step call (whole-model jit), median of `reps`, in microseconds:
     with the device idle and right behind another step (busy), with the step's inputs as the host
@@ -201,13 +210,9 @@ def dispatch_costs(llm, inp, reps: int = 7) -> dict:
     the others, the call waits for the device (e.g. its host-to-device copies behind the running
     step) and an overlapped serving loop cannot hide its host work; `leaves` counts the copies."""
     eng = llm.engine
-    inp = jax.tree_util.tree_map(np.asarray, inp)  # as the engine builds them (decode_batch puts them)
+    inp, dinp, put_s = _numpy_and_device(llm, inp)
     leaves = jax.tree_util.tree_leaves(inp)
-    t0 = time.perf_counter()
-    dinp = jax.device_put(inp, eng.kv[0].sharding)
-    jax.block_until_ready(dinp)
-    out = {"leaves": len(leaves), "leaf_bytes": sum(x.nbytes for x in leaves),
-           "device_put_us": (time.perf_counter() - t0) * 1e6}
+    out = {"leaves": len(leaves), "leaf_bytes": sum(x.nbytes for x in leaves), "device_put_us": put_s * 1e6}
 
     def call(x):
         a = time.perf_counter()
@@ -234,8 +239,7 @@ def dispatch_sequence(llm, inp, calls: int = 6, gap_s: float = 0.03) -> dict:
     them but the host does not wait for it), with numpy and on-device inputs. Says whether a
     call's host time is a fixed cost, a cost paid only behind a running step, or a first-call cost."""
     eng = llm.engine
-    inp = jax.tree_util.tree_map(np.asarray, inp)
-    dinp = jax.block_until_ready(jax.device_put(inp, eng.kv[0].sharding))
+    inp, dinp, _ = _numpy_and_device(llm, inp)
     out = {}
 
     def call(x):
@@ -349,10 +353,9 @@ def main() -> None:
         if not per_layer:
             with batch_of(names[:n]) as inp:
                 s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
+                s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
             print(f"{pair}, {n} adapters, host time of one step call (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
-            with batch_of(names[:n]) as inp:
-                s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
             for k, v in ds.items():
                 print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
         if per_layer:
