@@ -76,23 +76,22 @@ case $group in
     ;;
   host)
     # Issue 7: what S2's unified steps spend beyond the base model's. 1-2: capacity pair;
-    # 3-4: the same with async_results_copy (each step's results start their copy to the host at
-    # dispatch, not when the next step asks for them; session 11 timed pack_inputs here: no
-    # change); 5: prefill LoRA
-    # through the one-hot path (xla) instead of the kernels: S2's prefill steps carry ~1.6
-    # adapters and cost 5.6 ms more than the base model's (session 11), and the kernels were chosen
-    # for prefill for their single slot bucket, never timed against it; 6: a device trace of 20
-    # unified steps, whose idle gaps run.py splits by the engine's host phase
-    # (pool.serving_trace.idle_by_host_phase_us; CUPTI slows the traced loop). ~500 s with a cold cache.
+    # 3-4: the same with prefill_delay_factor=4 (new prompts wait ~4 prefill-step lengths while
+    # requests decode: at S2's capacity the batch sits at max_num_seqs and each freed slot started
+    # a prefill step of ~1.6 prompts, 608 of them in 45 s at 22.3 ms, each paying every weight read
+    # and, with adapters, ~5.6 ms of LoRA launches; the mock-device simulation of this trace
+    # (session 12) puts both engines 5-7% up); 5: prefill LoRA through the one-hot path (xla)
+    # instead of the kernels (the kernels were chosen for prefill for their single slot bucket,
+    # never timed against it); 6: async_results_copy (each step's results start their copy to the
+    # host at dispatch). ~500 s with a cold cache.
     short=(--warmup-s 5 --no-requests --rate 40)
-    traced=(--trace-steps 20 --trace-after-s 15)
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "S2-unified-n1000-R40:${short[*]}" \
       --variant "S2-base-R40:--mode base ${short[*]}" \
-      --variant "S2-unified-n1000-R40-async-copy:${short[*]} --engine async_results_copy=true" \
-      --variant "S2-base-R40-async-copy:--mode base ${short[*]} --engine async_results_copy=true" \
+      --variant "S2-unified-n1000-R40-delay4:${short[*]} --engine prefill_delay_factor=4" \
+      --variant "S2-base-R40-delay4:--mode base ${short[*]} --engine prefill_delay_factor=4" \
       --variant "S2-unified-n1000-R40-prefill-xla:${short[*]} --engine prefill_lora_backend=xla" \
-      --variant "S2-unified-n1000-R40-traced:${short[*]} ${traced[*]}" \
+      --variant "S2-unified-n1000-R40-async-copy:${short[*]} --engine async_results_copy=true" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"
     ;;
   prefetch)

@@ -24,10 +24,18 @@ Policies (`SchedulerOptions`):
   decode runs out of pages. With a `RegionPool` (the benchmark's memory baselines) the adapter's
   pages must fit the adapter region and the KV pages the KV region, each on its own (`pool.budget`).
 - Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
-  first), then the rest: by arrival ("fcfs", S-LoRA), or resident adapters first, then larger
-  adapter groups, then age ("affinity"). A request of the first two kinds, or any request under
+  first), then the rest: by arrival ("fcfs", S-LoRA), or ("affinity") adapters the running batch
+  already reads first (a decode step reads each distinct adapter's rows once, so these add no
+  bytes), then resident adapters, then larger adapter groups, then age. A request of the first two kinds, or any request under
   "fcfs", that does not fit stops admission for the step, so the pages and adapter slots it
   waits for are not taken by younger requests: the wait is bounded.
+- Prefill delay (`prefill_delay_factor` f > 0, vLLM's scheduler delay factor). While requests
+  decode, new prompts start a prefill step only once the last prefill step began f of its lengths
+  ago, or once the prompts that could be admitted fill a step's sequences. A prefill step reads
+  every weight (and, with adapters, runs every LoRA launch) once whatever its prompt count, so
+  under load fewer, fuller prefill steps leave more time to decode; a prompt waits at most about
+  f prefill steps more. Continuing chunks of a split prompt never wait. 0 (default): a prefill step
+  whenever a prompt can be admitted.
 - Clustering. At most `max_adapters_per_batch` distinct adapters in the running batch; a younger
   request for another adapter waits, an older one (past max_wait_s) blocks admission until the
   batch drains.
@@ -91,6 +99,7 @@ class SchedulerOptions:
     mixed_steps: bool = False              # decode tokens ride along in prefill steps (see above)
     min_decode_batch: int = 1              # decode steps pad their batch to at least this many rows
     split_prompts: bool = False            # fill each prefill step's budget exactly (see above)
+    prefill_delay_factor: float = 0.0      # new prompts wait this many last-prefill-step lengths (see above)
 
     def __post_init__(self):
         if self.admission_order not in ORDERS:
@@ -101,8 +110,8 @@ class SchedulerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.kv_reserve <= 1.0:
             raise ValueError(f"kv_reserve must be in [0, 1], got {self.kv_reserve}")
-        if self.max_wait_s < 0 or self.prefetch_adapters < 0:
-            raise ValueError("max_wait_s and prefetch_adapters must be >= 0")
+        if self.max_wait_s < 0 or self.prefetch_adapters < 0 or self.prefill_delay_factor < 0:
+            raise ValueError("max_wait_s, prefetch_adapters and prefill_delay_factor must be >= 0")
         if self.ttft_slo is not None and self.ttft_slo <= 0:
             raise ValueError(f"ttft_slo must be > 0 seconds or None, got {self.ttft_slo}")
 
@@ -202,6 +211,7 @@ class Scheduler:
         self._loads: list[tuple[object, list[int]]] = []
         self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
         self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
+        self._last_prefill = (-math.inf, 0.0)              # (when it was scheduled, its seconds)
 
     def kv_pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.ps)
@@ -322,6 +332,8 @@ class Scheduler:
         if seconds is not None:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
+            if plan.kind == "prefill":
+                self._last_prefill = (self._last_prefill[0], seconds)
         adapters = len({r.adapter.key for r in plan.requests if r.adapter is not None})
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(adapters)
@@ -387,16 +399,19 @@ class Scheduler:
         oldest: dict = {}
         for r in self.waiting:
             oldest.setdefault(r.adapter_name, r.arrival)
+        batch = {r.adapter_name for r in self.running}
         resident = {name: name is None or self._resident(name) for name in groups}
         old = now - self.opts.max_wait_s
 
         def key(r: Request):
             if r.resumed:
-                return (0, 0, 0, 0.0, "", r.arrival)
+                return (0, 0, 0, 0, 0.0, "", r.arrival)
             if r.arrival <= old:
-                return (1, 0, 0, 0.0, "", r.arrival)
+                return (1, 0, 0, 0, 0.0, "", r.arrival)
             n = r.adapter_name
-            return (2, not resident[n], -groups[n], oldest[n], n or "", r.arrival)  # groups stay together
+            # groups stay together; base-model requests read no adapter, so they count as in the batch
+            return (2, n is not None and n not in batch, not resident[n], -groups[n], oldest[n], n or "",
+                    r.arrival)
         return heapq.nsmallest(LOOKAHEAD, self.waiting, key=key)
 
     def _resident(self, name: str) -> bool:
@@ -509,9 +524,24 @@ class Scheduler:
                     break
                 chunks.append((req, req.num_computed, end))
                 budget -= end - req.num_computed
-        if not stuck and self.waiting:
+        if not stuck and self.waiting and (chunks or self._prefill_due()):
             chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
+        if chunks:
+            self._last_prefill = (self.clock(), self._last_prefill[1])
         return chunks
+
+    def _prefill_due(self) -> bool:
+        """May new prompts start a prefill step now? Always with prefill_delay_factor 0 or nothing
+        to decode; else once the last prefill step is that many of its lengths in the past, or
+        once the prompts that could be admitted fill a step's sequences anyway."""
+        o = self.opts
+        if o.prefill_delay_factor <= 0 or not self.running:
+            return True
+        since, seconds = self._last_prefill
+        if self.clock() - since >= o.prefill_delay_factor * seconds:
+            return True
+        free = o.max_num_seqs - len(self.running)
+        return min(free, len(self.waiting)) >= o.max_prefill_seqs
 
     def _schedule_decode(self) -> list[Request]:
         batch = []

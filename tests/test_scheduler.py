@@ -277,16 +277,21 @@ def test_no_starvation_with_one_adapter_slot(order):
     assert starved.ttft(cold) > 10.0  # without the bound it waits for the whole stream
 
 
-def test_affinity_prefers_resident_then_larger_groups_then_age():
-    sim = Sim(adapters=["x", "y", "z"], max_num_seqs=1, admission_order="affinity", max_wait_s=1e9)
+def test_affinity_prefers_the_batch_then_resident_then_larger_groups_then_age():
+    sim = Sim(adapters=["w", "x", "y", "z"], max_num_seqs=1, admission_order="affinity", max_wait_s=1e9)
+    done = sim.add(Arrival(0, 8, 1, "w"))
+    sim.step()  # "w" ran and finished: resident (cached), not in the batch
+    assert done.out.finished and sim.pool.is_resident(sim.entries["w"].key)
     first = sim.add(Arrival(0, 8, 4, "z"))
     sim.step()  # "z" is now resident and running
-    order = [sim.add(Arrival(0, 8, 4, n)) for n in ["x", "y", "x", "y", "y", "z"]]
+    order = [sim.add(Arrival(0, 8, 4, n)) for n in ["x", "w", "y", "x", "y", "y", "z", None]]
     sim.clock.t = 0.01
     ranked = sim.sched._order(sim.clock())
     assert first not in ranked
-    assert [r.adapter_name for r in ranked] == ["z", "y", "y", "y", "x", "x"]
-    assert ranked[1:4] == [order[1], order[3], order[4]]  # by age within a group
+    # the batch's adapter and the base model (no adapter to read) first, then the resident "w"
+    # (older than "z"'s request: by residency alone it would go first), then groups by size
+    assert [r.adapter_name for r in ranked] == [None, "z", "w", "y", "y", "y", "x", "x"]
+    assert ranked[3:6] == [order[2], order[4], order[5]]  # by age within a group
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,6 +472,30 @@ def test_histogram_buckets():
         h.observe(v)
     assert h.cumulative() == [(1.0, 2), (2.0, 3), (4.0, 4), (float("inf"), 5)]
     assert h.quantile(0.5) == 2.0 and h.quantile(1.0) == float("inf") and h.mean == 3.2
+
+
+def test_prefill_delay_batches_prompts_with_a_bounded_wait():
+    """prefill_delay_factor: while requests decode, new prompts wait until the last prefill step is
+    that many of its lengths in the past, so prefill steps take several prompts at once (each step
+    reads every weight once, whatever its prompt count) and the wait each prompt adds is bounded."""
+    arrivals = trace(300, 20.0, prompt=(8, 64), output=(40, 80), seed=9)
+
+    def run(factor):
+        sim = Sim(max_num_seqs=64, max_prefill_seqs=16, prefill_delay_factor=factor).run(arrivals)
+        prompts = [n for kind, n, _ in sim.batches if kind == "prefill"]
+        return sim, prompts, max(sim.ttft(r) for r in sim.requests)
+
+    now, now_prompts, now_ttft = run(0.0)
+    late, late_prompts, late_ttft = run(8.0)
+    assert sum(late_prompts) == sum(now_prompts) == len(arrivals)
+    assert not [r for r in late.requests if r.out.finish_reason != "length"]
+    assert len(late_prompts) < 0.5 * len(now_prompts), (len(late_prompts), len(now_prompts))
+    assert np.mean(late_prompts) > 2 * np.mean(now_prompts)
+    c = late.cost
+    longest_prefill = c.prefill_base + c.prefill_token * 16 * 64
+    longest_decode = c.decode_base + c.decode_seq * 64
+    assert now_ttft < late_ttft <= now_ttft + 8 * longest_prefill + longest_decode, (now_ttft, late_ttft)
+    assert late.makespan() < 1.02 * now.makespan()
 
 
 def test_mixed_steps_decode_while_a_long_prompt_is_prefilled():
