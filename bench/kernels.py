@@ -62,6 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.device_trace import busy_span, traced  # noqa: E402
 from bench.engine_bench import copy_bandwidth  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
@@ -101,9 +102,12 @@ def _err(msg: BaseException) -> str:
     return text if len(text) < 600 else text[:600] + " ..."
 
 
-def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float):
+def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float, device_time: bool = False):
     """Compile fn over all K sets (one jit, K calls unrolled), run it once for the outputs, then
-    time it. Returns (result dict, outputs [K])."""
+    time it. Returns (result dict, outputs [K]). device_time: also trace one more round of the
+    timed calls and report the device's own time per call ("device": kernels' busy time, their
+    sum, their count, and the traced span), which leaves out what the wall clock adds: host
+    dispatch and launch gaps."""
     many = jax.jit(lambda sh, ss: [fn(sh, s) for s in ss])
     t0 = time.perf_counter()
     outs = jax.block_until_ready(many(shared, sets))
@@ -122,8 +126,19 @@ def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float):
         jax.block_until_ready(res)
         ts.append((time.perf_counter() - t0) / (reps * len(sets)))
     del res
-    return {"us": float(np.median(ts)) * 1e6, "us_min": float(np.min(ts)) * 1e6, "reps": reps,
-            "sets": len(sets), "iters": iters, "compile_and_first_s": compile_s}, outs
+    out = {"us": float(np.median(ts)) * 1e6, "us_min": float(np.min(ts)) * 1e6, "reps": reps,
+           "sets": len(sets), "iters": iters, "compile_and_first_s": compile_s}
+    if device_time:
+        with traced() as events:
+            for _ in range(reps):
+                res = many(shared, sets)
+            jax.block_until_ready(res)
+        del res
+        calls = reps * len(sets)
+        busy, span = busy_span(events)
+        out["device"] = {"busy_us": busy / calls, "kernel_us": sum(float(e.get("dur", 0.0)) for e in events) / calls,
+                         "kernels": len(events) / calls, "span_us": span / calls}
+    return out, outs
 
 
 @jax.jit
@@ -147,7 +162,8 @@ def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: 
             continue
         try:
             res, outs = run_variant(fn, shared_of(name), sets_of(name), iters=opts["iters"],
-                                    warmup=opts["warmup"], iter_s=opts["iter_s"])
+                                    warmup=opts["warmup"], iter_s=opts["iter_s"],
+                                    device_time=opts.get("device_time", False))
             if name == ref_name:
                 refs, res["rel_err"] = outs, 0.0
             else:
@@ -156,6 +172,8 @@ def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: 
             res["ok"] = res["rel_err"] is not None and res["rel_err"] < TOL
             res["GBps"] = bytes_ / (res["us"] * 1e-6) / 1e9
             res["frac_copy"] = bytes_ / (res["us"] * 1e-6) / bw
+            if res.get("device", {}).get("busy_us"):
+                res["device"]["frac_copy"] = bytes_ / (res["device"]["busy_us"] * 1e-6) / bw
         except Exception as e:  # noqa: BLE001: one variant failing must not lose the others
             traceback.print_exc(limit=3)
             res = {"error": _err(e), "ok": False}
@@ -258,10 +276,12 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
     try:
         sets = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.bfloat16) for i in range(k_sets)]
         res, _ = run_variant(lambda _, a: a * 1.0001, None, sets, iters=opts["iters"], warmup=opts["warmup"],
-                             iter_s=opts["iter_s"])
+                             iter_s=opts["iter_s"], device_time=opts.get("device_time", False))
     except Exception as e:  # noqa: BLE001
         return {"error": _err(e)}
     res["frac_copy"] = 4 * n / (res["us"] * 1e-6) / bw
+    if res.get("device", {}).get("busy_us"):
+        res["device"]["frac_copy"] = 4 * n / (res["device"]["busy_us"] * 1e-6) / bw
     return res
 
 
@@ -399,7 +419,11 @@ def targets(result: dict, o) -> list[dict]:
                         f"{tt} tokens x {ta} adapters",
                 "threshold": TARGETS["lora_bw"], "values": dict(parts), "verdict": verdict(ok),
                 # one copy kernel moving the same bytes: the practical ceiling at this size
-                "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases}})
+                "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases},
+                # --device-time: the same on the device's own kernel time (no host dispatch, no gaps)
+                "device": {c["module"]: {"pallas": _frac((c["variants"]["pallas"] or {}).get("device")),
+                                         "same_bytes_copy": _frac((c.get("same_bytes_copy") or {}).get("device"))}
+                           for c in cases if (c["variants"]["pallas"] or {}).get("device")}})
 
     mixed = [c for c in result["lora"] if c["mixed_ranks"]]
     sp = [(c, c["speedup"]["padded"]) for c in mixed]
@@ -510,6 +534,9 @@ def table(result: dict) -> str:
             if t.get("same_bytes_copy"):
                 detail += "; one copy kernel of the same bytes: " + ", ".join(
                     f"{k} {_pct(f)}" for k, f in t["same_bytes_copy"].items())
+            if t.get("device"):
+                detail += "; on device kernel time: " + ", ".join(
+                    f"{k} {_pct(d['pallas'])} (copy {_pct(d['same_bytes_copy'])})" for k, d in t["device"].items())
         else:
             detail = (f"min {_x(t['min'])} ({t['worst_case']}), geomean {_x(t['geomean'])}, "
                       f"{t['measured']}/{t['cases']} cases measured")
@@ -540,6 +567,9 @@ def main() -> None:
     ap.add_argument("--lora-blocks", default=None,
                     help='JSON merged into pallas_kernels.lora.BLOCKS before any trace, e.g. '
                          '\'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
+    ap.add_argument("--device-time", action="store_true",
+                    help="also trace each variant's calls once and report the device's kernel time per call "
+                         "(JSON \"device\"; the table's wall-clock times include host dispatch and launch gaps)")
     ap.add_argument("--lora-variants", default=None,
                     help=f"comma list of LoRA variants to time besides xla_ref (default all: {','.join(VARIANTS)})")
     args = ap.parse_args()
@@ -559,6 +589,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
     o["quick"] = args.quick
+    o["device_time"] = args.device_time
     o["lora_variants"] = [v for v in (args.lora_variants or "").split(",") if v]
     if set(o["lora_variants"]) - set(VARIANTS):
         raise SystemExit(f"--lora-variants: unknown {sorted(set(o['lora_variants']) - set(VARIANTS))}; known {VARIANTS}")
@@ -638,6 +669,13 @@ def main() -> None:
                     print(f"lora {m:<8} T={t:<4} n={n:<3} " +
                           " ".join(f"{LABELS[k]} {_cell(v[k]).strip()}" for k in VARIANTS[:4]) +
                           f" ({time.perf_counter() - t0:.1f} s)", flush=True)
+                    if (v["pallas"] or {}).get("device"):
+                        copy = (c.get("same_bytes_copy") or {}).get("device") or {}
+                        print("     device time a call: " + ", ".join(
+                            f"{name} {d['busy_us']:.1f} us busy ({d['kernels']:.1f} kernels, "
+                            f"{_pct(d.get('frac_copy'))})" for name, d in
+                            [(LABELS[k], v[k]["device"]) for k in VARIANTS if (v[k] or {}).get("device", {}).get("kernels")] +
+                            ([("copy", copy)] if copy.get("kernels") else [])), flush=True)
         del pools
     save()
     print(table(result), flush=True)

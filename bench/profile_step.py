@@ -17,8 +17,6 @@ import argparse
 import atexit
 import collections
 import contextlib
-import glob
-import gzip
 import json
 import os
 import shutil
@@ -34,6 +32,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.device_trace import trace_events, busy_span, device_events  # noqa: E402
 from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
@@ -59,15 +58,9 @@ def kind_of(name: str) -> str:
     return "other fusion"
 
 
-def _trace_events(trace_dir: str) -> list[dict]:
-    path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
-    data = json.load(gzip.open(path))
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
 def host_phases(trace_dir: str) -> list[dict]:
     """The engine's host phases in the trace (slora_jax.engine._phase: `slora.<name>` events)."""
-    return [e for e in _trace_events(trace_dir) if e.get("ph") == "X" and str(e.get("name", "")).startswith("slora.")]
+    return [e for e in trace_events(trace_dir) if e.get("ph") == "X" and str(e.get("name", "")).startswith("slora.")]
 
 
 def idle_by_phase(device: list[dict], phases: list[dict], steps: int, min_gap_us: float = 50.0) -> dict:
@@ -99,37 +92,6 @@ def idle_by_phase(device: list[dict], phases: list[dict], steps: int, min_gap_us
                 covered += o
         out["no phase"] += max(0.0, (b - a) - covered)
     return {k: v / steps for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
-
-
-def device_events(trace_dir: str) -> list[dict]:
-    """Complete events ('X') of the device's tracks: GPU streams, or the CPU client's XLA threads."""
-    events = _trace_events(trace_dir)
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = [pid for pid, n in procs.items() if "gpu" in n.lower() or "device" in n.lower()]
-
-    def on_device(e) -> bool:
-        if gpu:
-            return e["pid"] in gpu
-        return "XLA" in threads.get((e["pid"], e.get("tid")), "") and "Client" not in \
-            threads.get((e["pid"], e.get("tid")), "")
-    return [e for e in events if e.get("ph") == "X" and on_device(e)]
-
-
-def busy_span(events: list[dict]) -> tuple[float, float]:
-    """(union of the events' intervals, last end - first start), in microseconds."""
-    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events if "ts" in e)
-    if not iv:
-        return 0.0, 0.0
-    busy, (lo, hi) = 0.0, iv[0]
-    for a, b in iv[1:]:
-        if a > hi:
-            busy, lo, hi = busy + hi - lo, a, b
-        else:
-            hi = max(hi, b)
-    busy += hi - lo
-    return busy, max(b for _, b in iv) - iv[0][0]
 
 
 def summarize(events: list[dict], steps: int, top: int) -> dict:
