@@ -99,7 +99,8 @@ if has profile; then
     tag=$([[ $i == 0 ]] && echo "" || echo "-$i")
     dump=""
     [[ $i == 0 && -n ${PROFILE_HLO:-} ]] && dump="--xla_dump_to=/tmp/slora-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=forward_sample"
-    XLA_FLAGS="${XLA_FLAGS:-} $dump" SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
+    flags="${XLA_FLAGS:-} $dump"; flags=${flags# }; flags=${flags% }  # XLA reads a blank value as a file name
+    XLA_FLAGS=$flags SLORA_LORA_BLOCKS=$cfg timeout "${T_PROFILE:-240}" python3 bench/profile_step.py --model llama-7b --batch "${PROFILE_BATCH:-64}" \
       --adapters "${PROFILE_ADAPTERS:-32}" ${PROFILE_RANKS:+--ranks "$PROFILE_RANKS"} ${PROFILE_PREFILL:+--prefill "$PROFILE_PREFILL"} ${PROFILE_CONTEXT:+--context "$PROFILE_CONTEXT"} --backends "${PROFILE_BACKENDS:-xla/xla,pallas/pallas,triton/pallas}" --out "$OUT/profile_step$tag.json" \
       > "$OUT/profile_step$tag.log" 2>&1
     echo "profile_step $cfg rc=$?"
