@@ -521,3 +521,31 @@ def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
     outs = llm.generate([r.tokens for r in reqs], SamplingParams(max_tokens=1, temperature=0.0),
                         adapter=[r.adapter_name for r in reqs])
     assert got == [o.token_ids[0] for o in outs]
+
+
+def test_policy_sim_prices_adapters_and_prefill_delay():
+    from bench import policy_sim
+    kw = dict(n=200, rate=40.0, duration_s=4.0)
+    base = policy_sim.run("base", **kw)
+    unified = policy_sim.run("unified", **kw)
+    delayed = policy_sim.run("unified", delay=8.0, **kw)
+    assert unified["adapters_per_decode"] > 0 and base["adapters_per_decode"] == 0
+    assert unified["req_s"] < base["req_s"]  # every distinct adapter's rows cost decode time
+    assert delayed["prefill_steps"] < 0.5 * unified["prefill_steps"]
+
+
+def test_kernels_py_quick_with_device_time(tmp_path):
+    """bench/kernels.py's CPU smoke run: every variant checked against the reference, and with
+    --device-time the traced kernel time a call beside the wall clock."""
+    out = tmp_path / "k.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick", "--skip", "attention",
+                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--device-time", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    d = json.loads(out.read_text())
+    (case,) = d["lora"]
+    assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded")), case["variants"]
+    dev = case["variants"]["pallas"]["device"]
+    assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
+    assert "qkvo" in d["targets"][0]["device"]
