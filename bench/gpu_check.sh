@@ -50,7 +50,7 @@ if has tests; then
   grep -v "host_offloader\|^W1" "$OUT/pytest.log" | grep -E "passed|failed|error|FAILED|ERROR" | tail -25
 fi
 if has kernels; then
-  timeout "${T_KERNELS:-240}" python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/kernels.log" 2>&1
+  timeout "${T_KERNELS:-240}" python3 bench/kernels.py --device-time --out "$OUT/kernels.json" ${KERNEL_ARGS:-} > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"
   tail -40 "$OUT/kernels.log"
 fi
