@@ -36,6 +36,13 @@ arrays, and its xa columns start at g * Rw. Each module then expands from its ow
 (`lora_expand(..., xa_col=g * Rw)`). One launch instead of three per layer, and expand reads
 shrink's padded xa directly (no slice copy).
 
+Fused (`lora_fused_apply`, BLOCKS["fused"]; off in the engine until timed on a GPU). Shrink and
+expand in one launch: a program per live (block, rank tile) item and share of the output columns
+computes its xa tile over all of `in` in registers and adds xa @ B[tile] into a float32 delta by
+atomic adds, which one XLA fusion adds to y. One launch and no xa round trip a module, against a
+shrink and an expand with xa in HBM between them; the price is A re-read (from L2) by each of an
+item's n_split programs, and atomic adds on the delta.
+
 The same kernel bodies run in interpret mode (CPU) and through the Triton lowering (GPU).
 """
 
@@ -77,6 +84,11 @@ BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True),
+    # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
+    # expand in one launch for calls of at most max_tokens tokens. n_split: programs sharing one
+    # (block, rank tile) item's output columns, each recomputing its xa tile (A re-read from L2).
+    "fused": dict(decode=False, max_tokens=256, rank_tile=16, a_col_tile=256, b_col_tile=128, n_split=2,
+                  num_warps=4, num_stages=2, prefetch_next=True),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -274,6 +286,76 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
     _blocks(p, n_programs, total_ref, block)
 
 
+def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref, rows_ref, _d_in, d_ref, *,
+                  n_programs, block_t, rank_tile, a_col_tile, b_col_tile, fin, fout, width, dtype, n_split,
+                  max_rank, prefetch_next, interpret):
+    # One program per live (token block, rank tile) item of the compact schedule and share q of
+    # the output column tiles: xa = x @ A^T[tile]^T over all of `in` (kept in registers, never
+    # stored), then for each of its output tiles d[tokens, cols] += xa @ B[tile, cols] by atomic
+    # adds (a slot's rank tiles, and blocks sharing a token, meet there).
+    p, q = pl.program_id(0), pl.program_id(1)
+    n_a, n_b = fin // a_col_tile, fout // b_col_tile
+    per = -(-n_b // n_split)
+
+    def block(b):
+        s, start, end, k = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b], sched_ref[3, b]
+        r = jnp.minimum(ranks_ref[s], max_rank)
+
+        @pl.when(k * rank_tile < r)
+        def _():
+            tok_live = start + jnp.arange(block_t) < end
+            j = k * rank_tile + jnp.arange(rank_tile)
+            j_live = j < r
+            j0 = jnp.where(j_live, j, 0)
+
+            def load_a(c):
+                if prefetch_next:
+                    c = jnp.minimum(c, n_a - 1)
+                col = c * a_col_tile
+                at = _gather_tile(rows_ref, a_rows_ref, s, j0 * fin + col, width, a_col_tile)
+                at = jnp.where(j_live[:, None], at, 0).astype(dtype)             # [rank_tile, Ca]
+                xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, a_col_tile)],
+                                mask=tok_live[:, None], other=0).astype(dtype)    # [block_t, Ca]
+                return at, xt
+
+            def use_a(tiles, acc):
+                at, xt = tiles
+                return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+
+            xa = _loop(0, n_a, load_a, use_a, jnp.zeros((block_t, rank_tile), jnp.float32), prefetch_next)
+            xa = jnp.where(tok_live[:, None] & j_live[None, :], xa, 0.0).astype(dtype)
+            lo = q * per
+            hi = jnp.minimum(lo + per, n_b)
+
+            def load_b(o):
+                if prefetch_next:
+                    o = jnp.minimum(o, n_b - 1)
+                bt = _gather_tile(rows_ref, b_rows_ref, s, j0 * fout + o * b_col_tile, width, b_col_tile)
+                return jnp.where(j_live[:, None], bt, 0).astype(dtype)              # [rank_tile, Cb]
+
+            def add_b(o, bt):
+                part = jax.lax.dot_general(xa, bt, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                part = jnp.where(tok_live[:, None], part, 0.0)  # dead rows add zero (no mask in interpret mode)
+                plgpu.atomic_add(d_ref, (pl.ds(start, block_t), pl.ds(o * b_col_tile, b_col_tile)), part,
+                                 mask=None if interpret else jnp.broadcast_to(tok_live[:, None], part.shape))
+
+            if not prefetch_next:
+                jax.lax.fori_loop(lo, hi, lambda o, c: (add_b(o, load_b(o)), c)[1], 0)
+            else:  # the next tile's gather is issued before this tile's product and atomic add
+                def trip(o, cur):
+                    nxt = load_b(o + 1)
+                    add_b(o, cur)
+                    return nxt
+                last = jax.lax.fori_loop(lo, hi - 1, trip, load_b(lo))
+
+                @pl.when(hi > lo)
+                def _():
+                    add_b(hi - 1, last)
+
+    _blocks(p, n_programs, total_ref, block)
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders: the block schedule, the grid and the pallas_call.
 
@@ -332,6 +414,18 @@ def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_ra
     compact = BLOCKS["shrink"].get("compact_tiles", False)
     return block_schedule(ranks, seg_starts, t, block_t, BLOCKS["shrink"]["rank_tile"] if compact else None,
                           max_rank)
+
+
+def fused_applies(t: int) -> bool:
+    """Whether the engine's Pallas LoRA path takes lora_fused_apply for a call of t tokens: with
+    BLOCKS["fused"]["decode"] on, for calls of at most its max_tokens (decode steps)."""
+    return bool(BLOCKS["fused"]["decode"]) and t <= BLOCKS["fused"]["max_tokens"]
+
+
+def fused_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_rank: int):
+    """The schedule lora_fused_apply takes as `schedule=`, on the host: the live (block, rank tile)
+    items at BLOCKS["fused"]["rank_tile"]."""
+    return block_schedule(ranks, seg_starts, t, block_t, BLOCKS["fused"]["rank_tile"], max_rank)
 
 
 def _plan_blocks(ranks, seg_starts, t: int, max_rank: int, block_t: int, max_programs: int,
@@ -444,6 +538,34 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
     )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
 
 
+@functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "interpret", "block_t", "max_programs"))
+def _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, *, max_rank, fin, fout, interpret, block_t,
+           max_programs):
+    """The delta [T + block_t, fout] float32 of one module (rows past T are padding)."""
+    t, width = x.shape[0], rows.shape[1]
+    blocks = BLOCKS["fused"]
+    rank_tile = blocks["rank_tile"]
+    a_tile, b_tile = _col_tile(width, fin, blocks["a_col_tile"]), _col_tile(width, fout, blocks["b_col_tile"])
+    _, sched, total, _, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs, schedule,
+                                                  clamp=False, rank_tile=rank_tile)
+    n_split = max(1, min(blocks["n_split"], fout // b_tile))
+    kernel = functools.partial(
+        _fused_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile, a_col_tile=a_tile,
+        b_col_tile=b_tile, fin=fin, fout=fout, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
+        n_split=n_split, max_rank=max_rank, prefetch_next=blocks.get("prefetch_next", False), interpret=interpret)
+    shape = (t + block_t, fout)  # padded: a block's atomic adds never run past the buffer
+    return pl.pallas_call(
+        kernel,
+        grid=(n_programs, n_split),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+        input_output_aliases={7: 0},
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, blocks),
+        name="lora_fused",
+    )(total, sched, ranks.astype(jnp.int32), a_rows.astype(jnp.int32), b_rows.astype(jnp.int32), x, rows,
+      jnp.zeros(shape, jnp.float32))
+
+
 # ---------------------------------------------------------------------------------------------
 # Public wrappers.
 
@@ -541,6 +663,23 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
                              **kernel_options)
                  for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))
+
+
+def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+                     interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
+    """lora_apply in one launch (BLOCKS["fused"]): y + (x @ A_s) @ B_s for the tokens of slot s, base
+    tokens unchanged, in y's dtype. xa never leaves the program that computes it; the delta is
+    summed by atomic adds into a float32 buffer that one XLA fusion adds to y. schedule: the
+    compact (block, rank tile) items at BLOCKS["fused"]["rank_tile"], i.e. shrink_schedule's
+    arrays when the shrink's rank tile is the same; None: built in the graph."""
+    blocks = BLOCKS["fused"]
+    if min(_col_tile(rows.shape[1], fin, blocks["a_col_tile"]), _col_tile(rows.shape[1], fout, blocks["b_col_tile"])) < 16:
+        return lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank, fin=fin, fout=fout,
+                          interpret=interpret)  # toy widths: the reference (see lora_shrink)
+    _check_block_t(block_t)
+    d = _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank, fin=fin, fout=fout,
+               interpret=_interpret(interpret), block_t=block_t, max_programs=max_programs)
+    return (y.astype(jnp.float32) + d[:y.shape[0]]).astype(y.dtype)
 
 
 def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,

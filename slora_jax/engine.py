@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import block_schedule, shrink_schedule
+from pallas_kernels.lora import block_schedule, fused_applies, fused_schedule, shrink_schedule
 from slora_jax import paged
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -780,7 +780,9 @@ class Engine:
         none. schedules[module]: the module's block schedule (expand; the Triton kernels' shrink
         too). Under "pallas", schedules["shrink:" + module] for each shrink launch
         (shrink_schedule: with compact_tiles it depends on the ranks), and with group_qkv
-        schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three)."""
+        schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three);
+        where the fused kernel applies (pallas_kernels.lora.fused_applies), schedules["fused:" + module]
+        instead."""
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
@@ -793,7 +795,12 @@ class Engine:
         for module, rk in ranks.items():
             mask = (rk > 0).astype(np.int32)
             out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
-        if backend == "pallas":
+        if backend == "pallas" and fused_applies(t):  # one launch a module (paged.pool_lora)
+            for module, rk in ranks.items():
+                rk = np.minimum(rk, max_rank).astype(np.int32)
+                out["fused:" + module] = once("fused", rk, lambda: fused_schedule(rk, seg_starts, t, block_t,
+                                                                                  max_rank=max_rank))
+        elif backend == "pallas":
             shrinks = dict(ranks)
             qkv = [ranks[m] for m in paged.QKV if m in ranks]
             if group_qkv and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)

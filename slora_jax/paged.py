@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, lora_expand, lora_shrink_group
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_apply, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -35,7 +35,8 @@ class LoraInputs:
     backend: "xla" (one-hot over slots), "pallas" (pallas_kernels.lora, segment form) or "triton"
     (triton_kernels.lora through jax-triton, the same segment form; GPU only).
     schedules[module] = the kernels' block schedule (pallas_kernels.lora.block_schedule), and
-    schedules["shrink:" + module or "shrink:qkv"] each Pallas shrink launch's (shrink_schedule),
+    schedules["shrink:" + module or "shrink:qkv"] each Pallas shrink launch's (shrink_schedule), or
+    schedules["fused:" + module] where the fused kernel applies (pallas_kernels.lora.fused_applies),
     built on the host with the step's inputs (Engine._schedules), or None (the kernels build them
     in the graph).
     qkv_a_rows [G, Sa, RA], qkv_ranks [G, Sa]: under "pallas" with group_qkv, the A rows and ranks
@@ -280,6 +281,12 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
                                 max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule,
                                 block_t=lora.block_t)
+        if fused_applies(x.shape[0]):  # shrink and expand in one launch (BLOCKS["fused"]["decode"])
+            if a_rows is None:  # stacked for the grouped shrink (stack_qkv): module g's block
+                a_rows = lora.qkv_a_rows[qkv_group(lora.rows).index(module)]
+            return lora_fused_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
+                                    max_rank=lora.max_rank, fin=fin, fout=fout, block_t=lora.block_t,
+                                    schedule=lora.schedules.get("fused:" + module) if lora.schedules else None)
         group = (module,)
         if lora.group_qkv and module in QKV:
             group = qkv_group(lora.rows)

@@ -545,7 +545,7 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     d = json.loads(out.read_text())
     (case,) = d["lora"]
-    assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded")), case["variants"]
+    assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded", "fused")), case["variants"]
     dev = case["variants"]["pallas"]["device"]
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
     assert "qkvo" in d["targets"][0]["device"]

@@ -1175,6 +1175,30 @@ def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
         assert_drained(engine)
 
 
+def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
+    """The fused shrink + expand kernel (BLOCKS["fused"]["decode"], off by default): the
+    reference's tokens, with q/k/v A rows stacked for the grouped shrink or not, and the fused
+    launch really taken in decode steps, on schedules built on the host."""
+    from pallas_kernels import lora as lora_kernels
+    monkeypatch.setitem(lora_kernels.BLOCKS, "fused", {**lora_kernels.BLOCKS["fused"], "decode": True})
+    calls = []
+    real = paged.lora_fused_apply
+
+    def spy(y, x, *args, schedule=None, **kw):
+        calls.append((x.shape[0], schedule is not None))
+        return real(y, x, *args, schedule=schedule, **kw)
+    monkeypatch.setattr(paged, "lora_fused_apply", spy)
+    rows = [0, 1, 3, 5]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    for grouped in (True, False):
+        calls.clear()
+        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas", lora_group_qkv=grouped)
+        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+        assert calls and all(hosted for _, hosted in calls), calls
+        assert_drained(engine)
+
+
 def test_adapter_status_for_routers(paths):
     """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
     it is resident in the device pool and cached in host memory, and its running and waiting

@@ -198,6 +198,40 @@ class TestLoraKernels:
         untouched = owner_rank(seg, ranks) == 0
         np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_fused_apply_matches_dense(self, name, dtype):
+        """lora_fused_apply (shrink and expand in one launch): y + the dense product, base rows
+        bit-for-bit y; with the schedule built on the host, the same."""
+        case = CASES[name]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("fused", name, dtype))
+        y = jnp.asarray(np.random.default_rng(seed_of("fused-y", name)).normal(size=(TOKENS, case.fout)), dtype)
+        kw = dict(max_rank=MAX_RANK, fin=case.fin, fout=case.fout, **self._kw())
+        got = lora.lora_fused_apply(y, *delta_args(arr), **kw)
+        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
+        assert got.shape == y.shape and got.dtype == y.dtype
+        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
+        untouched = owner_rank(seg, ranks) == 0
+        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+        hosted = lora.lora_fused_apply(y, *delta_args(arr), schedule=lora.fused_schedule(
+            ranks, seg, TOKENS, max_rank=MAX_RANK), **kw)
+        np.testing.assert_allclose(np.asarray(hosted, np.float64), np.asarray(got, np.float64), rtol=1e-6,
+                                   atol=1e-6 if dtype == jnp.float32 else 1e-2)
+
+    @pytest.mark.parametrize("over", [dict(n_split=1), dict(n_split=3, prefetch_next=False),
+                                      dict(n_split=8, b_col_tile=16, a_col_tile=32)],
+                             ids=["split1", "split3_noprefetch", "split8_small_tiles"])
+    def test_fused_block_variants(self, monkeypatch, over):
+        """The fused kernel's settings: output columns over 1, 3 (more than some programs' share:
+        empty ranges) and 8 programs, and without the prefetch pipeline."""
+        monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], **over})
+        case = CASES["mixed"]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed_of("fused-var", str(over)))
+        y = jnp.zeros((TOKENS, case.fout), jnp.float32)
+        got = lora.lora_fused_apply(y, *delta_args(arr), max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                                    **self._kw())
+        assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)) < 1e-5
+
     def test_few_programs_small_max_rank(self):
         """Fewer programs than blocks, so each walks several (the persistent loop); and a max rank
         below one rank tile, so tiles are masked rather than padded into xa."""
@@ -262,6 +296,28 @@ class TestTritonLowering:
             warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
             hlo = jax.jit(delta).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 2  # shrink and expand, not the fallback
+
+    @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
+                                                (11008, 4096, 4096)])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_fused_lowers_to_triton(self, fin, fout, width, dtype):
+        t, sa, r, n = 40, 8, 64, 4096
+        sds = jax.ShapeDtypeStruct
+        i32 = jnp.int32
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+        def apply(y, x, rows, a_rows, b_rows, ranks, seg):
+            return lora.lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg, max_rank=r, fin=fin, fout=fout,
+                                         interpret=False)
+
+        shapes = (sds((t, fout), dtype), sds((t, fin), dtype), sds((n, width), dtype),
+                  sds((sa, -(-r * fin // width)), i32), sds((sa, -(-r * fout // width)), i32),
+                  sds((sa,), i32), sds((sa + 1,), i32))
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            hlo = jax.jit(apply).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert hlo.count("__gpu$xla.gpu.triton") == 1  # one launch, not the fallback
 
 
 def test_host_block_schedule_matches_the_graph_one():
