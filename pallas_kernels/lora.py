@@ -172,6 +172,23 @@ def _gather_tile(rows_ref, idx_ref, s, flat, width, col_tile, rid=None):
     return rows_ref[rid[:, None], cols]
 
 
+def _shrink_tiles(rows_ref, a_rows_ref, x_ref, s, first, col, start, j_live, tok_live, *, width, col_tile,
+                  block_t, dtype, rid=None):
+    """One column chunk of a shrink: the A^T tile [rank_tile, C] of slot s's rank rows (flat offsets
+    `first` + col; rows past the rank zeroed) and the x tile [block_t, C] (dead tokens zeroed)."""
+    at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile, rid=rid)
+    at = jnp.where(j_live[:, None], at, 0).astype(dtype)
+    xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)], mask=tok_live[:, None],
+                    other=0).astype(dtype)
+    return at, xt
+
+
+def _shrink_step(tiles, acc):
+    """acc [block_t, rank_tile] += x tile @ A^T tile^T, in float32."""
+    at, xt = tiles
+    return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
@@ -209,21 +226,10 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
             def load(c):
                 if prefetch_next:  # an empty split's first load reads the last chunk (not used)
                     c = jnp.minimum(c, n_chunks - 1)
-                col = c * col_tile
-                if rid is None:
-                    at = _gather_tile(rows_ref, a_rows_ref, s, first + col, width, col_tile)
-                else:
-                    at = _gather_tile(rows_ref, None, s, first + col, width, col_tile, rid=rid)
-                at = jnp.where(j_live[:, None], at, 0).astype(dtype)         # [rank_tile, C]
-                xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
-                                mask=tok_live[:, None], other=0).astype(dtype)  # [block_t, C]
-                return at, xt
+                return _shrink_tiles(rows_ref, a_rows_ref, x_ref, s, first, c * col_tile, start, j_live, tok_live,
+                                     width=width, col_tile=col_tile, block_t=block_t, dtype=dtype, rid=rid)
 
-            def use(tiles, acc):
-                at, xt = tiles
-                return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
-                                                 preferred_element_type=jnp.float32)
-
+            use = _shrink_step
             zero = jnp.zeros((block_t, rank_tile), jnp.float32)
             if split_k == 1:  # static bounds: the loop the kernel had before split_k
                 acc = _loop(0, n_chunks, load, use, zero, prefetch_next)
@@ -311,19 +317,10 @@ def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref
             def load_a(c):
                 if prefetch_next:
                     c = jnp.minimum(c, n_a - 1)
-                col = c * a_col_tile
-                at = _gather_tile(rows_ref, a_rows_ref, s, j0 * fin + col, width, a_col_tile)
-                at = jnp.where(j_live[:, None], at, 0).astype(dtype)             # [rank_tile, Ca]
-                xt = plgpu.load(x_ref.at[pl.ds(start, block_t), pl.ds(col, a_col_tile)],
-                                mask=tok_live[:, None], other=0).astype(dtype)    # [block_t, Ca]
-                return at, xt
+                return _shrink_tiles(rows_ref, a_rows_ref, x_ref, s, j0 * fin, c * a_col_tile, start, j_live,
+                                     tok_live, width=width, col_tile=a_col_tile, block_t=block_t, dtype=dtype)
 
-            def use_a(tiles, acc):
-                at, xt = tiles
-                return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())),
-                                                 preferred_element_type=jnp.float32)
-
-            xa = _loop(0, n_a, load_a, use_a, jnp.zeros((block_t, rank_tile), jnp.float32), prefetch_next)
+            xa = _loop(0, n_a, load_a, _shrink_step, jnp.zeros((block_t, rank_tile), jnp.float32), prefetch_next)
             xa = jnp.where(tok_live[:, None] & j_live[None, :], xa, 0.0).astype(dtype)
             lo = q * per
             hi = jnp.minimum(lo + per, n_b)

@@ -272,12 +272,13 @@ def test_block_schedule():
 
 
 class TestTritonLowering:
-    """Lower both kernels for an H200 on the CPU: the Triton lowering runs, no GPU needed."""
+    """Lower the kernels for an H200 on the CPU: the Triton lowering runs, no GPU needed."""
 
     @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
                                                 (11008, 4096, 4096)])
     @pytest.mark.parametrize("dtype", DTYPES)
-    def test_lowers_to_triton(self, fin, fout, width, dtype):
+    @pytest.mark.parametrize("form,launches", [("apart", 2), ("fused", 1)])
+    def test_lowers_to_triton(self, fin, fout, width, dtype, form, launches):
         t, sa, r, n = 40, 8, 64, 4096
         sds = jax.ShapeDtypeStruct
         i32 = jnp.int32
@@ -286,8 +287,11 @@ class TestTritonLowering:
         mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
 
         def delta(x, rows, a_rows, b_rows, ranks, seg):
-            return lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg, max_rank=r, fin=fin,
-                                   fout=fout, interpret=False)
+            kw = dict(max_rank=r, fin=fin, fout=fout, interpret=False)
+            if form == "fused":
+                return lora.lora_fused_apply(jnp.zeros((t, fout), jnp.float32), x, rows, a_rows, b_rows, ranks,
+                                             seg, **kw)
+            return lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg, **kw)
 
         shapes = (sds((t, fin), dtype), sds((n, width), dtype),
                   sds((sa, -(-r * fin // width)), i32), sds((sa, -(-r * fout // width)), i32),
@@ -295,29 +299,8 @@ class TestTritonLowering:
         with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
             warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
             hlo = jax.jit(delta).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        assert hlo.count("__gpu$xla.gpu.triton") == 2  # shrink and expand, not the fallback
-
-    @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
-                                                (11008, 4096, 4096)])
-    @pytest.mark.parametrize("dtype", DTYPES)
-    def test_fused_lowers_to_triton(self, fin, fout, width, dtype):
-        t, sa, r, n = 40, 8, 64, 4096
-        sds = jax.ShapeDtypeStruct
-        i32 = jnp.int32
-        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-
-        def apply(y, x, rows, a_rows, b_rows, ranks, seg):
-            return lora.lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg, max_rank=r, fin=fin, fout=fout,
-                                         interpret=False)
-
-        shapes = (sds((t, fout), dtype), sds((t, fin), dtype), sds((n, width), dtype),
-                  sds((sa, -(-r * fin // width)), i32), sds((sa, -(-r * fout // width)), i32),
-                  sds((sa,), i32), sds((sa + 1,), i32))
-        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-            warnings.simplefilter("ignore", DeprecationWarning)
-            hlo = jax.jit(apply).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        assert hlo.count("__gpu$xla.gpu.triton") == 1  # one launch, not the fallback
+        # shrink and expand, or the one fused launch; not the fallback
+        assert hlo.count("__gpu$xla.gpu.triton") == launches
 
 
 def test_host_block_schedule_matches_the_graph_one():
