@@ -87,8 +87,10 @@ BLOCKS = {
     # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
     # expand in one launch for calls of at most max_tokens tokens. n_split: programs sharing one
     # (block, rank tile) item's output columns, each recomputing its xa tile (A re-read from L2).
+    # max_programs: programs walking the item list (an H200 keeps ~1000 of these small programs in
+    # flight; the split kernels' 256 would leave S2's ~300 items a decode step looping twice).
     "fused": dict(decode=False, max_tokens=256, rank_tile=16, a_col_tile=256, b_col_tile=128, n_split=2,
-                  num_warps=4, num_stages=2, prefetch_next=True),
+                  max_programs=1024, num_warps=4, num_stages=2, prefetch_next=True),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -663,7 +665,7 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
 
 
 def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
-                     interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
+                     interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
     """lora_apply in one launch (BLOCKS["fused"]): y + (x @ A_s) @ B_s for the tokens of slot s, base
     tokens unchanged, in y's dtype. xa never leaves the program that computes it; the delta is
     summed by atomic adds into a float32 buffer that one XLA fusion adds to y. schedule: the
@@ -675,7 +677,8 @@ def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank:
                           interpret=interpret)  # toy widths: the reference (see lora_shrink)
     _check_block_t(block_t)
     d = _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank, fin=fin, fout=fout,
-               interpret=_interpret(interpret), block_t=block_t, max_programs=max_programs)
+               interpret=_interpret(interpret), block_t=block_t,
+               max_programs=blocks["max_programs"] if max_programs is None else max_programs)
     return (y.astype(jnp.float32) + d[:y.shape[0]]).astype(y.dtype)
 
 

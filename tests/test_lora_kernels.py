@@ -219,11 +219,12 @@ class TestLoraKernels:
                                    atol=1e-6 if dtype == jnp.float32 else 1e-2)
 
     @pytest.mark.parametrize("over", [dict(n_split=1), dict(n_split=3, prefetch_next=False),
-                                      dict(n_split=8, b_col_tile=16, a_col_tile=32)],
-                             ids=["split1", "split3_noprefetch", "split8_small_tiles"])
+                                      dict(n_split=8, b_col_tile=16, a_col_tile=32), dict(max_programs=2)],
+                             ids=["split1", "split3_noprefetch", "split8_small_tiles", "two_programs"])
     def test_fused_block_variants(self, monkeypatch, over):
         """The fused kernel's settings: output columns over 1, 3 (more than some programs' share:
-        empty ranges) and 8 programs, and without the prefetch pipeline."""
+        empty ranges) and 8 programs, without the prefetch pipeline, and two programs walking
+        every item (the persistent loop)."""
         monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], **over})
         case = CASES["mixed"]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed_of("fused-var", str(over)))
