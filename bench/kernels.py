@@ -10,7 +10,8 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
 
   pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels,
            given the schedules built on the host (pallas_kernels.lora.block_schedule and
-           shrink_schedule), as the engine passes them
+           shrink_schedule), as the engine passes them; the expand reads the shrink's padded xa
+           directly, as in the engine (before session 12 a slice copy of xa came between them)
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
   one-hot  slora_jax.paged.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)

@@ -684,18 +684,16 @@ def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank:
 
 def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
                backend: str = "pallas", **kernel_options):
-    """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens."""
+    """The LoRA delta [T, fout] float32: (x @ A_s) @ B_s per token of slot s, 0 for base tokens.
+    Under "pallas" the expand reads the shrink's padded xa as it comes (as in the engine: no slice)."""
     if backend == "pallas":
-        shrink_schedule = kernel_options.pop("shrink_schedule", None)
-        shrink = functools.partial(lora_shrink, **_shrink_options(kernel_options, shrink_schedule))
-        expand = functools.partial(lora_expand, **kernel_options)
-    elif backend == "xla":
-        shrink, expand = lora_shrink_reference, lora_expand_reference
-    else:
+        return lora_apply(jnp.zeros((x.shape[0], fout), jnp.float32), x, rows, a_rows, b_rows, ranks, seg_starts,
+                          max_rank=max_rank, fin=fin, fout=fout, **kernel_options)
+    if backend != "xla":
         raise ValueError(f"unknown LoRA backend {backend!r} (pallas | xla)")
-    xa = shrink(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin)
+    xa = lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin)
     y = jnp.zeros((x.shape[0], fout), jnp.float32)
-    return expand(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout)
+    return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout)
 
 
 # ---------------------------------------------------------------------------------------------
