@@ -26,9 +26,9 @@ Policies (`SchedulerOptions`):
 - Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
   first), then the rest: by arrival ("fcfs", S-LoRA), or ("affinity") adapters the running batch
   already reads first (a decode step reads each distinct adapter's rows once, so these add no
-  bytes), then resident adapters, then larger adapter groups, then age. A request of the first two kinds, or any request under
-  "fcfs", that does not fit stops admission for the step, so the pages and adapter slots it
-  waits for are not taken by younger requests: the wait is bounded.
+  bytes), then resident adapters, then larger adapter groups, then age. A request of the first
+  two kinds, or any request under "fcfs", that does not fit stops admission for the step, so the
+  pages and adapter slots it waits for are not taken by younger requests: the wait is bounded.
 - Prefill delay (`prefill_delay_factor` f > 0, vLLM's scheduler delay factor). While requests
   decode, new prompts start a prefill step only once the last prefill step began f of its lengths
   ago, or once the prompts that could be admitted fill a step's sequences. A prefill step reads
@@ -211,7 +211,8 @@ class Scheduler:
         self._loads: list[tuple[object, list[int]]] = []
         self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
         self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
-        self._last_prefill = (-math.inf, 0.0)              # (when it was scheduled, its seconds)
+        self._last_prefill_at = -math.inf                  # when the last prefill step was scheduled
+        self._last_prefill_s = 0.0                         # and how long it took
 
     def kv_pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.ps)
@@ -333,7 +334,7 @@ class Scheduler:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
             if plan.kind == "prefill":
-                self._last_prefill = (self._last_prefill[0], seconds)
+                self._last_prefill_s = seconds
         adapters = len({r.adapter.key for r in plan.requests if r.adapter is not None})
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(adapters)
@@ -527,7 +528,7 @@ class Scheduler:
         if not stuck and self.waiting and (chunks or self._prefill_due()):
             chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
         if chunks:
-            self._last_prefill = (self.clock(), self._last_prefill[1])
+            self._last_prefill_at = self.clock()
         return chunks
 
     def _prefill_due(self) -> bool:
@@ -537,8 +538,7 @@ class Scheduler:
         o = self.opts
         if o.prefill_delay_factor <= 0 or not self.running:
             return True
-        since, seconds = self._last_prefill
-        if self.clock() - since >= o.prefill_delay_factor * seconds:
+        if self.clock() - self._last_prefill_at >= o.prefill_delay_factor * self._last_prefill_s:
             return True
         free = o.max_num_seqs - len(self.running)
         return min(free, len(self.waiting)) >= o.max_prefill_seqs
