@@ -428,12 +428,19 @@ def targets(result: dict, o) -> list[dict]:
 
     tt, ta = o["target_tokens"], o["target_adapters"]
     cases = [c for c in result["lora"] if c["tokens"] == tt and c["adapters"] == ta]
-    parts = [(c["module"], _frac(c["variants"]["pallas"])) for c in cases]
+    # Judged on the kernels' device time where it was traced (--device-time): at these sizes the
+    # wall clock measures the host's dispatch of the timed calls more than the kernels.
+    on_device = bool(cases) and all((c["variants"]["pallas"] or {}).get("device", {}).get("frac_copy")
+                                    for c in cases)
+    parts = [(c["module"], _frac(c["variants"]["pallas"]["device"] if on_device else c["variants"]["pallas"]))
+             for c in cases]
     vals = [f for _, f in parts if f is not None]
     ok = (len(vals) == len(parts) and all(f >= TARGETS["lora_bw"] for f in vals)) if parts else None
     out.append({"name": f"shrink+expand >= {TARGETS['lora_bw']:.0%} of copy bandwidth at "
-                        f"{tt} tokens x {ta} adapters",
+                        f"{tt} tokens x {ta} adapters ({'device' if on_device else 'wall-clock'} time)",
                 "threshold": TARGETS["lora_bw"], "values": dict(parts), "verdict": verdict(ok),
+                "measure": "device" if on_device else "wall",
+                "wall": {c["module"]: _frac(c["variants"]["pallas"]) for c in cases},
                 # one copy kernel moving the same bytes: the practical ceiling at this size
                 "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases},
                 # --device-time: the same on the device's own kernel time (no host dispatch, no gaps)
@@ -547,12 +554,14 @@ def table(result: dict) -> str:
     for t in result["targets"]:
         if "values" in t:
             detail = ", ".join(f"{k} {_pct(f)}" for k, f in t["values"].items()) or "no case"
-            if t.get("same_bytes_copy"):
-                detail += "; one copy kernel of the same bytes: " + ", ".join(
-                    f"{k} {_pct(f)}" for k, f in t["same_bytes_copy"].items())
-            if t.get("device"):
-                detail += "; on device kernel time: " + ", ".join(
-                    f"{k} {_pct(d['pallas'])} (copy {_pct(d['same_bytes_copy'])})" for k, d in t["device"].items())
+            on_device = t.get("measure") == "device"
+            copies = {k: d["same_bytes_copy"] for k, d in t["device"].items()} if on_device else \
+                t.get("same_bytes_copy") or {}
+            if copies:
+                detail += "; one copy kernel of the same bytes: " + ", ".join(f"{k} {_pct(f)}" for k, f in copies.items())
+            if on_device:
+                detail += "; on the wall clock: " + ", ".join(
+                    f"{k} {_pct(f)} (copy {_pct(t['same_bytes_copy'].get(k))})" for k, f in t["wall"].items())
         else:
             detail = (f"min {_x(t['min'])} ({t['worst_case']}), geomean {_x(t['geomean'])}, "
                       f"{t['measured']}/{t['cases']} cases measured")
