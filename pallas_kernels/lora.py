@@ -296,17 +296,20 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
 
 def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref, rows_ref, _d_in, d_ref, *,
                   n_programs, block_t, rank_tile, a_col_tile, b_col_tile, fin, fout, width, dtype, n_split,
-                  max_rank, prefetch_next, interpret):
-    # One program per live (token block, rank tile) item of the compact schedule and share q of
-    # the output column tiles: xa = x @ A^T[tile]^T over all of `in` (kept in registers, never
-    # stored), then for each of its output tiles d[tokens, cols] += xa @ B[tile, cols] by atomic
-    # adds (a slot's rank tiles, and blocks sharing a token, meet there).
-    p, q = pl.program_id(0), pl.program_id(1)
+                  max_rank, prefetch_next, interpret, slots):
+    # One program per live (token block, rank tile) item of the compact schedule, share q of the
+    # output column tiles and module g (grid axis 2: modules that read the same x, e.g. q, k, v,
+    # each with its own rows of the stacked ranks / A rows / B rows and its own fout columns of d):
+    # xa = x @ A^T[tile]^T over all of `in` (kept in registers, never stored), then for each of its
+    # output tiles d[tokens, cols] += xa @ B[tile, cols] by atomic adds (a slot's rank tiles, and
+    # blocks sharing a token, meet there).
+    p, q, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_a, n_b = fin // a_col_tile, fout // b_col_tile
     per = -(-n_b // n_split)
 
     def block(b):
-        s, start, end, k = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b], sched_ref[3, b]
+        s0, start, end, k = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b], sched_ref[3, b]
+        s = g * slots + s0                     # module g's row of slot s0
         r = jnp.minimum(ranks_ref[s], max_rank)
 
         @pl.when(k * rank_tile < r)
@@ -336,7 +339,7 @@ def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref
             def add_b(o, bt):
                 part = jax.lax.dot_general(xa, bt, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
                 part = jnp.where(tok_live[:, None], part, 0.0)  # dead rows add zero (no mask in interpret mode)
-                plgpu.atomic_add(d_ref, (pl.ds(start, block_t), pl.ds(o * b_col_tile, b_col_tile)), part,
+                plgpu.atomic_add(d_ref, (pl.ds(start, block_t), pl.ds(g * fout + o * b_col_tile, b_col_tile)), part,
                                  mask=None if interpret else jnp.broadcast_to(tok_live[:, None], part.shape))
 
             if not prefetch_next:
@@ -540,29 +543,34 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
 @functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "interpret", "block_t", "max_programs"))
 def _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, *, max_rank, fin, fout, interpret, block_t,
            max_programs):
-    """The delta [T + block_t, fout] float32 of one module (rows past T are padding)."""
+    """The delta [T + block_t, G * fout] float32 of G modules that read x (a_rows [G, Sa, RA],
+    b_rows [G, Sa, RB], ranks [G, Sa]), module g's in columns g * fout on; rows past T are
+    padding. The schedule covers the slots live in any module (each slot's largest rank)."""
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["fused"]
     rank_tile = blocks["rank_tile"]
+    n_modules, slots = ranks.shape
     a_tile, b_tile = _col_tile(width, fin, blocks["a_col_tile"]), _col_tile(width, fout, blocks["b_col_tile"])
-    _, sched, total, _, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs, schedule,
+    live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
+    _, sched, total, _, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t, max_programs, schedule,
                                                   clamp=False, rank_tile=rank_tile)
     n_split = max(1, min(blocks["n_split"], fout // b_tile))
     kernel = functools.partial(
         _fused_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile, a_col_tile=a_tile,
         b_col_tile=b_tile, fin=fin, fout=fout, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
-        n_split=n_split, max_rank=max_rank, prefetch_next=blocks.get("prefetch_next", False), interpret=interpret)
-    shape = (t + block_t, fout)  # padded: a block's atomic adds never run past the buffer
+        n_split=n_split, max_rank=max_rank, prefetch_next=blocks.get("prefetch_next", False), interpret=interpret,
+        slots=slots)
+    shape = (t + block_t, n_modules * fout)  # padded: a block's atomic adds never run past the buffer
     return pl.pallas_call(
         kernel,
-        grid=(n_programs, n_split),
+        grid=(n_programs, n_split, n_modules),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={7: 0},
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_fused",
-    )(total, sched, ranks.astype(jnp.int32), a_rows.astype(jnp.int32), b_rows.astype(jnp.int32), x, rows,
-      jnp.zeros(shape, jnp.float32))
+    )(total, sched, ranks.astype(jnp.int32).reshape(-1), a_rows.reshape(n_modules * slots, -1).astype(jnp.int32),
+      b_rows.reshape(n_modules * slots, -1).astype(jnp.int32), x, rows, jnp.zeros(shape, jnp.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,21 +673,32 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
 
 
 def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
-                     interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
+                     **kernel_options):
     """lora_apply in one launch (BLOCKS["fused"]): y + (x @ A_s) @ B_s for the tokens of slot s, base
     tokens unchanged, in y's dtype. xa never leaves the program that computes it; the delta is
     summed by atomic adds into a float32 buffer that one XLA fusion adds to y. schedule: the
-    compact (block, rank tile) items at BLOCKS["fused"]["rank_tile"], i.e. shrink_schedule's
-    arrays when the shrink's rank tile is the same; None: built in the graph."""
+    compact (block, rank tile) items at BLOCKS["fused"]["rank_tile"] (fused_schedule); None: built
+    in the graph."""
+    d = lora_fused_delta(x, rows, a_rows[None], b_rows[None], ranks[None], seg_starts, max_rank=max_rank, fin=fin,
+                         fout=fout, **kernel_options)
+    return (y.astype(jnp.float32) + d[:y.shape[0]]).astype(y.dtype)
+
+
+def lora_fused_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+                     interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
+    """The LoRA deltas of G modules that read the same x and have the same fout (q, k and v of a
+    multi-head model) in one fused launch: [T' >= T, G * fout] float32, module g's in columns
+    g * fout on, 0 for base tokens. a_rows [G, Sa, RA], b_rows [G, Sa, RB], ranks [G, Sa];
+    schedule: fused_schedule of each slot's largest rank over the modules (None: in the graph)."""
     blocks = BLOCKS["fused"]
     if min(_col_tile(rows.shape[1], fin, blocks["a_col_tile"]), _col_tile(rows.shape[1], fout, blocks["b_col_tile"])) < 16:
-        return lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank, fin=fin, fout=fout,
-                          interpret=interpret)  # toy widths: the reference (see lora_shrink)
+        # toy widths: the reference (see lora_shrink)
+        return jnp.concatenate([lora_delta(x, rows, a, b, r, seg_starts, max_rank=max_rank, fin=fin, fout=fout,
+                                           backend="xla") for a, b, r in zip(a_rows, b_rows, ranks)], axis=1)
     _check_block_t(block_t)
-    d = _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank, fin=fin, fout=fout,
-               interpret=_interpret(interpret), block_t=block_t,
-               max_programs=blocks["max_programs"] if max_programs is None else max_programs)
-    return (y.astype(jnp.float32) + d[:y.shape[0]]).astype(y.dtype)
+    return _fused(x, rows, a_rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank, fin=fin, fout=fout,
+                  interpret=_interpret(interpret), block_t=block_t,
+                  max_programs=blocks["max_programs"] if max_programs is None else max_programs)
 
 
 def lora_delta(x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,

@@ -781,8 +781,8 @@ class Engine:
         too). Under "pallas", schedules["shrink:" + module] for each shrink launch
         (shrink_schedule: with compact_tiles it depends on the ranks), and with group_qkv
         schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three);
-        where the fused kernel applies (pallas_kernels.lora.fused_applies), schedules["fused:" + module]
-        instead."""
+        where the fused kernel applies (pallas_kernels.lora.fused_applies), the same under "fused:"
+        for its launches."""
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
@@ -795,21 +795,17 @@ class Engine:
         for module, rk in ranks.items():
             mask = (rk > 0).astype(np.int32)
             out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
-        if backend == "pallas" and fused_applies(t):  # one launch a module (paged.pool_lora)
-            for module, rk in ranks.items():
-                rk = np.minimum(rk, max_rank).astype(np.int32)
-                out["fused:" + module] = once("fused", rk, lambda: fused_schedule(rk, seg_starts, t, block_t,
-                                                                                  max_rank=max_rank))
-        elif backend == "pallas":
-            shrinks = dict(ranks)
+        if backend == "pallas":
+            # the launches that read A: one per module, q/k/v as one with group_qkv (paged.pool_lora)
+            launches = dict(ranks)
             qkv = [ranks[m] for m in paged.QKV if m in ranks]
-            if group_qkv and len(qkv) > 1:  # the grouped shrink's (paged.pool_lora)
-                shrinks = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
-                shrinks["qkv"] = np.maximum.reduce(qkv)
-            for name, rk in shrinks.items():
+            if group_qkv and len(qkv) > 1:
+                launches = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
+                launches["qkv"] = np.maximum.reduce(qkv)
+            kind, build = ("fused", fused_schedule) if fused_applies(t) else ("shrink", shrink_schedule)
+            for name, rk in launches.items():
                 rk = np.minimum(rk, max_rank).astype(np.int32)
-                out["shrink:" + name] = once("shrink", rk, lambda: shrink_schedule(rk, seg_starts, t, block_t,
-                                                                                   max_rank=max_rank))
+                out[f"{kind}:{name}"] = once(kind, rk, lambda: build(rk, seg_starts, t, block_t, max_rank=max_rank))
         return out
 
     def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_apply, lora_shrink_group
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -264,6 +264,27 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     (lora_shrink_group; the step's schedules["shrink:qkv"] covers their slots) and each expands from its
     columns of that xa."""
     shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
+    fused: dict = {}   # layer -> (x, modules, delta): the same for the fused kernel
+
+    def y_plus_fused(layer, module, x, y, rows, fin, fout):
+        """y + this module's delta from the fused kernel: q, k and v (with group_qkv, when their
+        fouts agree) in one launch at the first of them, the others a launch each."""
+        qkv = qkv_group(lora.rows)
+        grouped = lora.group_qkv and module in QKV and len(qkv) > 1  # the step's schedule is "fused:qkv"
+        group = qkv if grouped and len({cfg.module_shape(m)[1] for m in qkv}) == 1 else (module,)  # GQA: apart
+        seen = fused.get(layer)
+        if seen is None or seen[0] is not x or module not in seen[1]:
+            if lora.qkv_a_rows is not None and module in QKV:  # stack_qkv took their A rows
+                at = np.array([qkv.index(m) for m in group])
+                a, r = (lora.qkv_a_rows, lora.qkv_ranks) if group == qkv else (lora.qkv_a_rows[at], lora.qkv_ranks[at])
+            else:
+                a, r = jnp.stack([lora.rows[m][0] for m in group]), jnp.stack([lora.ranks[m] for m in group])
+            b = jnp.stack([lora.rows[m][1] for m in group])
+            seen = fused[layer] = (x, group, lora_fused_delta(
+                x, rows, a, b, r, lora.seg_starts, max_rank=lora.max_rank, fin=fin, fout=fout, block_t=lora.block_t,
+                schedule=lora.schedules.get("fused:" + ("qkv" if grouped else module)) if lora.schedules else None))
+        col = seen[1].index(module) * fout
+        return (y.astype(jnp.float32) + seen[2][:y.shape[0], col:col + fout]).astype(y.dtype)
 
     def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
@@ -282,11 +303,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                                 max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule,
                                 block_t=lora.block_t)
         if fused_applies(x.shape[0]):  # shrink and expand in one launch (BLOCKS["fused"]["decode"])
-            if a_rows is None:  # stacked for the grouped shrink (stack_qkv): module g's block
-                a_rows = lora.qkv_a_rows[qkv_group(lora.rows).index(module)]
-            return lora_fused_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
-                                    max_rank=lora.max_rank, fin=fin, fout=fout, block_t=lora.block_t,
-                                    schedule=lora.schedules.get("fused:" + module) if lora.schedules else None)
+            return y_plus_fused(layer, module, x, y, rows, fin, fout)
         group = (module,)
         if lora.group_qkv and module in QKV:
             group = qkv_group(lora.rows)

@@ -1182,12 +1182,12 @@ def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
     from pallas_kernels import lora as lora_kernels
     monkeypatch.setitem(lora_kernels.BLOCKS, "fused", {**lora_kernels.BLOCKS["fused"], "decode": True})
     calls = []
-    real = paged.lora_fused_apply
+    real = paged.lora_fused_delta
 
-    def spy(y, x, *args, schedule=None, **kw):
-        calls.append((x.shape[0], schedule is not None))
-        return real(y, x, *args, schedule=schedule, **kw)
-    monkeypatch.setattr(paged, "lora_fused_apply", spy)
+    def spy(x, rows, a_rows, *args, schedule=None, **kw):
+        calls.append((a_rows.shape[0], schedule is not None))
+        return real(x, rows, a_rows, *args, schedule=schedule, **kw)
+    monkeypatch.setattr(paged, "lora_fused_delta", spy)
     rows = [0, 1, 3, 5]
     sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
     for grouped in (True, False):
@@ -1196,6 +1196,7 @@ def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
         outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
         assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
         assert calls and all(hosted for _, hosted in calls), calls
+        assert {g for g, _ in calls} == {1}, calls  # tiny is GQA: k and v narrower than q, each apart
         assert_drained(engine)
 
 

@@ -461,6 +461,31 @@ def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
         jax.clear_caches()
 
 
+@pytest.mark.parametrize("hosted", [False, True], ids=["graph_schedule", "host_schedule"])
+def test_fused_group_matches_each_module(hosted):
+    """lora_fused_delta: q, k and v (one x, one fout) with other ranks per module and a slot only
+    some modules have, in one launch: each module's columns hold its own delta, 0 on base rows."""
+    lens = (1, 5, 0, 13, 9, 3)
+    cases = [Case(ranks=(1, 8, 16, 64, 128, 0), lens=lens, fout=96),
+             Case(ranks=(8, 0, 16, 1, 128, 0), lens=lens, fout=96),
+             Case(ranks=(64, 8, 0, 0, 16, 0), lens=lens, fout=96)]
+    made = [make_inputs(c, jnp.float32, seed=seed_of("fused-group", i)) for i, c in enumerate(cases)]
+    x, seg = made[0][0]["x"], made[0][3]
+    rows = jnp.concatenate([m[0]["rows"] for m in made])  # one pool: module i's rows from i * POOL_ROWS
+    a_rows = jnp.stack([m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)])
+    b_rows = jnp.stack([m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)])
+    ranks = jnp.stack([m[0]["ranks"] for m in made])
+    union = np.max([m[4] for m in made], axis=0)
+    schedule = lora.fused_schedule(union, seg, TOKENS, max_rank=MAX_RANK) if hosted else None
+    got = lora.lora_fused_delta(x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"], max_rank=MAX_RANK,
+                                fin=64, fout=96, interpret=True, schedule=schedule)
+    assert got.shape[0] >= TOKENS and got.shape[1] == 3 * 96 and got.dtype == jnp.float32
+    for i, (c, m) in enumerate(zip(cases, made)):
+        delta = np.asarray(got[:TOKENS, i * 96:(i + 1) * 96])
+        assert rel_err(delta, dense_delta(x, m[1], m[2], seg, m[4], c.fout)) < TOL[jnp.float32], i
+        assert not delta[owner_rank(seg, m[4]) == 0].any()
+
+
 def test_blocks_from_environment():
     """SLORA_LORA_BLOCKS (JSON) is merged into BLOCKS at import, so a benchmark can time a setting in
     a process it does not drive; an unknown setting fails loudly instead of timing the defaults."""

@@ -262,13 +262,14 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "per_layer"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
-def test_paged_engine_configurations(oracle, model, config):
+def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
-    evicted and paged in again mid-run, requests queue); and through the Pallas LoRA and decode
-    attention kernels; and compiled one decoder layer at a time (compile_per_layer). Every row
+    evicted and paged in again mid-run, requests queue); through the Pallas LoRA and decode
+    attention kernels, and with the fused LoRA kernel (one launch a module; q, k and v in one
+    on the mha model); and compiled one decoder layer at a time (compile_per_layer). Every row
     still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
@@ -276,8 +277,18 @@ def test_paged_engine_configurations(oracle, model, config):
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config == "pallas_kernels":  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "fused_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
+        if config == "fused_lora":
+            from pallas_kernels import lora
+            from slora_jax import paged
+            monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True, "max_tokens": 1 << 20})
+            launches, real = [], paged.lora_fused_delta
+
+            def spy(x, rows, a_rows, *args, **kw):
+                launches.append(a_rows.shape[0])  # modules in the launch
+                return real(x, rows, a_rows, *args, **kw)
+            monkeypatch.setattr(paged, "lora_fused_delta", spy)
     elif config == "per_layer":
         opts = dict(compile_per_layer=True)
     else:
@@ -295,5 +306,7 @@ def test_paged_engine_configurations(oracle, model, config):
     stats = llm.stats()
     if config == "tight_pool":
         assert stats["evictions"] > 0, stats
+    if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
+        assert max(launches) == (3 if model == "mha" else 1), launches
     assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
     llm.engine.pool.check()
