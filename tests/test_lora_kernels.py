@@ -278,7 +278,7 @@ class TestTritonLowering:
     @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
                                                 (11008, 4096, 4096)])
     @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("form,launches", [("apart", 2), ("fused", 1)])
+    @pytest.mark.parametrize("form,launches", [("apart", 2), ("fused", 1), ("fused_group", 1)])
     def test_lowers_to_triton(self, fin, fout, width, dtype, form, launches):
         t, sa, r, n = 40, 8, 64, 4096
         sds = jax.ShapeDtypeStruct
@@ -292,6 +292,9 @@ class TestTritonLowering:
             if form == "fused":
                 return lora.lora_fused_apply(jnp.zeros((t, fout), jnp.float32), x, rows, a_rows, b_rows, ranks,
                                              seg, **kw)
+            if form == "fused_group":  # three modules sharing x (q, k, v) in one launch
+                return lora.lora_fused_delta(x, rows, jnp.stack([a_rows] * 3), jnp.stack([b_rows] * 3),
+                                             jnp.stack([ranks] * 3), seg, **kw)
             return lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg, **kw)
 
         shapes = (sds((t, fin), dtype), sds((n, width), dtype),
