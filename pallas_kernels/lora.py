@@ -41,7 +41,9 @@ expand in one launch: a program per live (block, rank tile) item and share of th
 computes its xa tile over all of `in` in registers and adds xa @ B[tile] into a float32 delta by
 atomic adds, which one XLA fusion adds to y. One launch and no xa round trip a module, against a
 shrink and an expand with xa in HBM between them; the price is A re-read (from L2) by each of an
-item's n_split programs, and atomic adds on the delta.
+item's n_split programs, and atomic adds on the delta. Modules that read the same x and have the
+same width (q, k and v of a multi-head model) go in one launch (`lora_fused_delta`, grid axis 2),
+so with group_qkv an attention block costs 2 fused launches instead of 2 shrinks and 4 expands.
 
 The same kernel bodies run in interpret mode (CPU) and through the Triton lowering (GPU).
 """
