@@ -431,6 +431,22 @@ def test_block_variants_match_dense(monkeypatch, blocks):
         jax.clear_caches()
 
 
+def group_inputs(fouts, tag):
+    """Three modules that read one x (q, k, v) with other ranks each and a slot only some have, in
+    one pool (module i's rows from i * POOL_ROWS): (cases, made, x, seg, rows, a_rows, b_rows,
+    ranks, each slot's largest rank), the per-module arrays as lists."""
+    lens = (1, 5, 0, 13, 9, 3)
+    cases = [Case(ranks=r, lens=lens, fout=f) for r, f in zip(
+        [(1, 8, 16, 64, 128, 0), (8, 0, 16, 1, 128, 0), (64, 8, 0, 0, 16, 0)], fouts)]
+    made = [make_inputs(c, jnp.float32, seed=seed_of(tag, i)) for i, c in enumerate(cases)]
+    rows = jnp.concatenate([m[0]["rows"] for m in made])
+    a_rows = [m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
+    b_rows = [m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
+    ranks = [m[0]["ranks"] for m in made]
+    union = np.max([m[4] for m in made], axis=0)
+    return cases, made, made[0][0]["x"], made[0][3], rows, a_rows, b_rows, ranks, union
+
+
 @pytest.mark.parametrize("split_k,compact", [(1, False), (4, False), (4, True)], ids=["k1", "k4", "k4_compact_tiles"])
 def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
     """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
@@ -440,20 +456,9 @@ def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
                                                 "compact_tiles": compact})
     jax.clear_caches()  # BLOCKS is read at trace time
     try:
-        lens = (1, 5, 0, 13, 9, 3)
-        cases = [Case(ranks=(1, 8, 16, 64, 128, 0), lens=lens, fout=128),
-                 Case(ranks=(8, 0, 16, 1, 128, 0), lens=lens, fout=64),
-                 Case(ranks=(64, 8, 0, 0, 16, 0), lens=lens, fout=64)]
-        made = [make_inputs(c, jnp.float32, seed=seed_of("group", i)) for i, c in enumerate(cases)]
-        x, seg = made[0][0]["x"], made[0][3]
-        # One pool: module i's rows at offset i * POOL_ROWS.
-        rows = jnp.concatenate([m[0]["rows"] for m in made])
-        a_rows = [m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
-        b_rows = [m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)]
-        ranks = [m[0]["ranks"] for m in made]
+        cases, made, x, seg, rows, a_rows, b_rows, ranks, union = group_inputs((128, 64, 64), "group")
         ys = [jnp.asarray(np.random.default_rng(i).normal(size=(TOKENS, c.fout)), jnp.float32)
               for i, c in enumerate(cases)]
-        union = np.max([m[4] for m in made], axis=0)
         got = lora.lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"],
                                     max_rank=MAX_RANK, fin=64, fouts=[c.fout for c in cases], interpret=True,
                                     schedule=lora.block_schedule(union, seg, TOKENS))
@@ -468,17 +473,8 @@ def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
 def test_fused_group_matches_each_module(hosted):
     """lora_fused_delta: q, k and v (one x, one fout) with other ranks per module and a slot only
     some modules have, in one launch: each module's columns hold its own delta, 0 on base rows."""
-    lens = (1, 5, 0, 13, 9, 3)
-    cases = [Case(ranks=(1, 8, 16, 64, 128, 0), lens=lens, fout=96),
-             Case(ranks=(8, 0, 16, 1, 128, 0), lens=lens, fout=96),
-             Case(ranks=(64, 8, 0, 0, 16, 0), lens=lens, fout=96)]
-    made = [make_inputs(c, jnp.float32, seed=seed_of("fused-group", i)) for i, c in enumerate(cases)]
-    x, seg = made[0][0]["x"], made[0][3]
-    rows = jnp.concatenate([m[0]["rows"] for m in made])  # one pool: module i's rows from i * POOL_ROWS
-    a_rows = jnp.stack([m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)])
-    b_rows = jnp.stack([m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)])
-    ranks = jnp.stack([m[0]["ranks"] for m in made])
-    union = np.max([m[4] for m in made], axis=0)
+    cases, made, x, seg, rows, a_rows, b_rows, ranks, union = group_inputs((96, 96, 96), "fused-group")
+    a_rows, b_rows, ranks = jnp.stack(a_rows), jnp.stack(b_rows), jnp.stack(ranks)
     schedule = lora.fused_schedule(union, seg, TOKENS, max_rank=MAX_RANK) if hosted else None
     got = lora.lora_fused_delta(x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"], max_rank=MAX_RANK,
                                 fin=64, fout=96, interpret=True, schedule=schedule)
