@@ -72,19 +72,22 @@ if has compile; then
 fi
 if has sweep; then
   # LoRA kernel block settings (issue 4's bandwidth target), one kernels.py run each on the
-  # decode shapes, H->H module; one JSON line per setting in sweep.jsonl. SWEEP_BLOCKS: the list.
+  # decode shapes, H->H module, with device time; one JSON line per setting in sweep.jsonl.
+  # SWEEP_BLOCKS: the list; SWEEP_VARIANTS: the kernel forms timed (default pallas; fused: the
+  # one-launch kernel, e.g. SWEEP_BLOCKS='{"fused":{"n_split":1}} {"fused":{"n_split":4}}').
   sweep_blocks=${SWEEP_BLOCKS:-'{} {"expand":{"col_tile":512}} {"expand":{"rank_tile":64,"col_tile":256}} {"expand":{"col_tile":512,"num_warps":8}} {"expand":{"y_first":true}} {"shrink":{"rank_tile":64}} {"shrink":{"col_tile":512}} {"shrink":{"static_split":true}} {"shrink":{"num_stages":3}} {"shrink":{"rank_tile":32,"num_warps":8}}'}
   # SWEEP_REPEATS=n: the whole list n times, interleaved (A B C A B C): one run a setting carried
   # +-15-30% of noise between calls in session 9, more than most settings' effects.
   : > "$OUT/sweep.jsonl"
   for cfg in $(for _ in $(seq "${SWEEP_REPEATS:-1}"); do echo $sweep_blocks; done); do
     timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64,256 \
-      --adapters 32,256 --lora-variants pallas --lora-blocks "$cfg" --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
+      --adapters 32,256 --lora-variants "${SWEEP_VARIANTS:-pallas}" --lora-blocks "$cfg" --device-time \
+      --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
     echo "sweep $cfg rc=$?"
     [[ -f /tmp/sweep.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
       /tmp/sweep.json >> "$OUT/sweep.jsonl" && rm -f /tmp/sweep.json
   done
-  grep -E "^qkvo" "$OUT/sweep.log" | tail -30
+  grep -E "^qkvo|device time" "$OUT/sweep.log" | tail -40
 fi
 if has profile; then
   # PROFILE_BLOCKS: LoRA kernel settings (JSON merged into pallas_kernels.lora.BLOCKS through
