@@ -159,6 +159,15 @@ def rel_err(outs, refs) -> float:
     return max(float(_rel_err(o, r)) for o, r in zip(outs, refs))
 
 
+def _add_fracs(res: dict, nbytes: int, bw: float) -> dict:
+    """res["frac_copy"]: nbytes over the timed wall clock, as a share of copy bandwidth bw; the
+    same over the device's busy time where it was traced (res["device"]["frac_copy"])."""
+    res["frac_copy"] = nbytes / (res["us"] * 1e-6) / bw
+    if res.get("device", {}).get("busy_us"):
+        res["device"]["frac_copy"] = nbytes / (res["device"]["busy_us"] * 1e-6) / bw
+    return res
+
+
 def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: float,
             opts) -> dict:
     """Time every variant (the reference first); check each against the reference's outputs."""
@@ -179,9 +188,7 @@ def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: 
                 del outs
             res["ok"] = res["rel_err"] is not None and res["rel_err"] < TOL
             res["GBps"] = bytes_ / (res["us"] * 1e-6) / 1e9
-            res["frac_copy"] = bytes_ / (res["us"] * 1e-6) / bw
-            if res.get("device", {}).get("busy_us"):
-                res["device"]["frac_copy"] = bytes_ / (res["device"]["busy_us"] * 1e-6) / bw
+            _add_fracs(res, bytes_, bw)
         except Exception as e:  # noqa: BLE001: one variant failing must not lose the others
             traceback.print_exc(limit=3)
             res = {"error": _err(e), "ok": False}
@@ -289,10 +296,7 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
                              iter_s=opts["iter_s"], device_time=opts.get("device_time", False))
     except Exception as e:  # noqa: BLE001
         return {"error": _err(e)}
-    res["frac_copy"] = 4 * n / (res["us"] * 1e-6) / bw
-    if res.get("device", {}).get("busy_us"):
-        res["device"]["frac_copy"] = 4 * n / (res["device"]["busy_us"] * 1e-6) / bw
-    return res
+    return _add_fracs(res, 4 * n, bw)
 
 
 def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) -> dict:

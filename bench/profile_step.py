@@ -32,7 +32,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.device_trace import trace_events, busy_span, device_events  # noqa: E402
+from bench.device_trace import busy_span, trace_events, traced  # noqa: E402
 from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
@@ -304,13 +304,11 @@ def main() -> None:
             t1 = time.perf_counter()
             res.block_until_ready()
             t2 = time.perf_counter()
-            trace_dir = tempfile.mkdtemp(prefix="slora-trace-")
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            with traced() as events:
                 for _ in range(args.steps):
                     eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
                 res.block_until_ready()
-        s = summarize(device_events(trace_dir), args.steps, args.top)
-        shutil.rmtree(trace_dir, ignore_errors=True)
+        s = summarize(events, args.steps, args.top)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
         if not per_layer:
             with batch_of(names[:n]) as inp:

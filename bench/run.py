@@ -255,7 +255,8 @@ class ServingTrace:
         # unified step spends beyond the base step (the trace files stay on the device)
         if not self.done or not self.steps:
             return None
-        from bench.profile_step import device_events, host_phases, idle_by_phase, summarize as sum_kernels
+        from bench.device_trace import device_events
+        from bench.profile_step import host_phases, idle_by_phase, summarize as sum_kernels
         device = device_events(self.dir)
         out = sum_kernels(device, self.steps, top)
         # the device's idle gaps by the engine's host phase that overlapped them (us a step)
