@@ -80,14 +80,14 @@ if has sweep; then
   # +-15-30% of noise between calls in session 9, more than most settings' effects.
   : > "$OUT/sweep.jsonl"
   for cfg in $(for _ in $(seq "${SWEEP_REPEATS:-1}"); do echo $sweep_blocks; done); do
-    timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64,256 \
-      --adapters 32,256 --lora-variants "${SWEEP_VARIANTS:-pallas}" --lora-blocks "$cfg" --device-time \
+    timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules "${SWEEP_MODULES:-qkvo}" \
+      --tokens "${SWEEP_TOKENS:-64,256}" --adapters "${SWEEP_ADAPTERS:-32,256}" --lora-variants "${SWEEP_VARIANTS:-pallas}" --lora-blocks "$cfg" --device-time \
       --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
     echo "sweep $cfg rc=$?"
     [[ -f /tmp/sweep.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
       /tmp/sweep.json >> "$OUT/sweep.jsonl" && rm -f /tmp/sweep.json
   done
-  grep -E "^qkvo|device time" "$OUT/sweep.log" | tail -40
+  grep -E "^(qkvo|gate_up|down) |device time" "$OUT/sweep.log" | tail -40
 fi
 if has profile; then
   # PROFILE_BLOCKS: LoRA kernel settings (JSON merged into pallas_kernels.lora.BLOCKS through

@@ -144,8 +144,12 @@ def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float, dev
         del res
         calls = reps * len(sets)
         busy, span = busy_span(events)
+        by_name: dict[str, float] = {}
+        for e in events:
+            by_name[e.get("name", "?")] = by_name.get(e.get("name", "?"), 0.0) + float(e.get("dur", 0.0)) / calls
         out["device"] = {"busy_us": busy / calls, "kernel_us": sum(float(e.get("dur", 0.0)) for e in events) / calls,
-                         "kernels": len(events) / calls, "span_us": span / calls}
+                         "kernels": len(events) / calls, "span_us": span / calls,
+                         "by_kernel_us": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:6])}
     return out, outs
 
 
@@ -705,6 +709,9 @@ def main() -> None:
                             f"{_pct(d.get('frac_copy'))})" for name, d in
                             [(LABELS[k], v[k]["device"]) for k in VARIANTS if (v[k] or {}).get("device", {}).get("kernels")] +
                             ([("copy", copy)] if copy.get("kernels") else [])), flush=True)
+                        print("     pallas kernels (us a call): " + ", ".join(
+                            f"{k[:40]} {us:.1f}" for k, us in v["pallas"]["device"].get("by_kernel_us", {}).items()),
+                            flush=True)
         del pools
     save()
     print(table(result), flush=True)

@@ -548,4 +548,5 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded", "fused")), case["variants"]
     dev = case["variants"]["pallas"]["device"]
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
+    assert dev["by_kernel_us"] and 0 < sum(dev["by_kernel_us"].values()) <= dev["kernel_us"] + 1e-6
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
