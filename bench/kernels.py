@@ -643,8 +643,7 @@ def main() -> None:
               "triton_block": dict(triton_lora.BLOCKS),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
-              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.BLOCK_T,
-                                 max_programs=lora_kernels.MAX_PROGRAMS),
+              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.BLOCK_T),
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():

@@ -84,8 +84,10 @@ from jax.experimental.pallas import triton as plgpu
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
-                   static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True),
-    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True),
+                   static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
+                   max_programs=256),
+    "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
+                   max_programs=256),
     # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
     # expand in one launch for calls of at most max_tokens tokens. n_split: programs sharing one
     # (block, rank tile) item's output columns, each recomputing its xa tile (A re-read from L2).
@@ -131,6 +133,8 @@ if os.environ.get("SLORA_LORA_BLOCKS"):
     _merge_blocks(os.environ["SLORA_LORA_BLOCKS"])
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
 MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this loop inside a program
+# (the Triton twins' default; the Pallas shrink and expand take BLOCKS[kind]["max_programs"] when
+# the caller passes none)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,7 +588,7 @@ def _interpret(interpret):
 
 
 def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
+                interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
     """xa [T, max_rank] float32: xa[t, :r_s] = x[t] @ A_s for the tokens of slot s, 0 elsewhere.
 
     x [T, in]; rows [N, W] (one layer's pool as rows); a_rows [Sa, RA] int32, RA =
@@ -599,7 +603,7 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
 
 
 def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int, interpret=None,
-                      block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None):
+                      block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
     """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
     are sequences of G per-module arrays, or already stacked [G, Sa, RA] and [G, Sa] (the engine
     stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa
@@ -618,11 +622,11 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
     return _shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule, max_rank=max_rank,
                    in_features=in_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs)
+                   max_programs=max_programs or BLOCKS["shrink"]["max_programs"])
 
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                interpret=None, block_t: int = BLOCK_T, max_programs: int = MAX_PROGRAMS, schedule=None,
+                interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None,
                 xa_col: int = 0):
     """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of slot s (base tokens unchanged), in
     y's dtype.
@@ -640,7 +644,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     _check_block_t(block_t)
     return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs, xa_col=xa_col)
+                   max_programs=max_programs or BLOCKS["expand"]["max_programs"], xa_col=xa_col)
 
 
 def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
