@@ -85,9 +85,9 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256),
+                   max_programs=256, early_loads=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256),
+                   max_programs=256, early_loads=False),
     # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
     # expand in one launch for calls of at most max_tokens tokens. n_split: programs sharing one
     # (block, rank tile) item's output columns, each recomputing its xa tile (A re-read from L2).
@@ -141,16 +141,32 @@ MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this l
 # Kernels.
 
 
-def _blocks(p, n_programs, total_ref, body):
-    """Run body(b) for blocks b = p, p + n_programs, ... below the schedule's live total."""
+def _blocks(p, n_programs, total_ref, sched_ref, body, early: bool = False):
+    """Run body(col) for blocks b = p, p + n_programs, ... below the schedule's live total, col
+    being the schedule's column b (a tuple of its rows). early: each column is read one trip
+    ahead, the first beside the total (p < n_programs <= the schedule's length, so it is in
+    bounds; later reads clamp to the last column), so a program's first loads wait on one round
+    trip to memory, not two (most decode programs have exactly one block); else each column is
+    read in its own trip, after the total."""
+    n_rows, n_cols = sched_ref.shape
     total = total_ref[0]
     trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
 
-    def one(i, carry):
-        b = p + i * n_programs
-        body(b)
-        return carry
-    jax.lax.fori_loop(0, trips, one, 0)
+    def read(b):
+        return tuple(sched_ref[i, b] for i in range(n_rows))
+
+    if not early:
+        def one(i, carry):
+            body(read(p + i * n_programs))
+            return carry
+        jax.lax.fori_loop(0, trips, one, 0)
+        return
+
+    def ahead(i, col):
+        nxt = read(jnp.minimum(p + (i + 1) * n_programs, n_cols - 1))
+        body(col)
+        return nxt
+    jax.lax.fori_loop(0, trips, ahead, read(p))
 
 
 def _loop(lo, hi, load, use, acc, prefetch: bool):
@@ -200,7 +216,7 @@ def _shrink_step(tiles, acc):
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
-                   hoist_rows=False, compact_tiles=False):
+                   hoist_rows=False, compact_tiles=False, early_loads=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -215,21 +231,28 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
     n_chunks = fin // col_tile
     per_split = -(-n_chunks // split_k)
 
-    def block(b):
-        s0, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
-        k = sched_ref[3, b] if compact_tiles else k_fixed
+    def block(col):
+        s0, start, end = col[0], col[1], col[2]
+        k = col[3] if compact_tiles else k_fixed
         s = g * slots + s0                     # module g's row of slot s0
         r = jnp.minimum(ranks_ref[s], max_rank)  # clamped here, not by an XLA op per call
 
-        @pl.when(k * rank_tile < r)
+        # early_loads: the compact schedule lists only live items (of each slot's largest rank
+        # over the modules), so no guard: the first loads need not wait for the rank (a module of
+        # smaller rank masks its dead rows below). Else dead rank tiles are skipped.
+        @_when(None if compact_tiles and early_loads else k * rank_tile < r)
         def _():
             tok_live = start + jnp.arange(block_t) < end
             j = k * rank_tile + jnp.arange(rank_tile)          # A^T rows (rank columns of xa)
             j_live = j < r
-            first = jnp.where(j_live, j, 0) * fin              # A^T row j starts at flat j * fin
+            # A^T row j starts at flat j * fin. Rows past the rank read another row's indices (in
+            # bounds, a valid row: the tile is zeroed there); early_loads: row max_rank - 1's, so
+            # the gathers do not wait for the rank either.
+            jc = jnp.minimum(j, max_rank - 1) if early_loads else jnp.where(j_live, j, 0)
+            first = jc * fin
             # hoist_rows, where fin == W: A^T row j is pool row a_rows[s, j] whole, so its row
             # indices are read once here instead of once per column chunk
-            rid = a_rows_ref[s, jnp.where(j_live, j, 0)] if hoist_rows and fin == width else None
+            rid = a_rows_ref[s, jc] if hoist_rows and fin == width else None
 
             def load(c):
                 if prefetch_next:  # an empty split's first load reads the last chunk (not used)
@@ -257,29 +280,39 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), cols), acc,
                                  mask=None if interpret else mask)  # interpret mode: no masks
 
-    _blocks(p, n_programs, total_ref, block)
+    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
+
+
+def _when(cond):
+    """pl.when(cond), or run the body unconditionally when cond is None."""
+    if cond is None:
+        return lambda body: body()
+    return pl.when(cond)
 
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False,
-                   prefetch_next=False):
+                   prefetch_next=False, early_loads=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
     col = o * col_tile
 
-    def block(b):
-        s, start, end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+    def block(col_):
+        s, start, end = col_[0], col_[1], col_[2]
         r = jnp.minimum(ranks_ref[s], max_rank)
         tok_live = start + jnp.arange(block_t) < end
 
-        def load(kt):  # rank tile kt; past the rank every row is masked (a prefetch reads nothing)
+        def load(kt):  # rank tile kt; rows past the rank are zeroed after the loads
             j = kt * rank_tile + jnp.arange(rank_tile)         # B rows
             j_live = j < r
-            bt = _gather_tile(rows_ref, b_rows_ref, s, jnp.where(j_live, j, 0) * fout + col, width,
-                              col_tile)                                       # [rank_tile, C]
+            # early_loads: index and mask from max_rank, not from the rank, so the first tile's
+            # gathers (issued before the rank loop) need not wait for the rank's read.
+            jc = jnp.minimum(j, max_rank - 1) if early_loads else jnp.where(j_live, j, 0)
+            bt = _gather_tile(rows_ref, b_rows_ref, s, jc * fout + col, width, col_tile)  # [rank_tile, C]
             bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
             xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
-                             mask=tok_live[:, None] & j_live[None, :], other=0).astype(dtype)
+                             mask=tok_live[:, None] & ((j < max_rank) if early_loads else j_live)[None, :], other=0)
+            xat = jnp.where(j_live[None, :], xat, 0).astype(dtype) if early_loads else xat.astype(dtype)
             return bt, xat
 
         def use(tiles, acc):
@@ -297,7 +330,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
 
-    _blocks(p, n_programs, total_ref, block)
+    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
 
 
 def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref, rows_ref, _d_in, d_ref, *,
@@ -313,8 +346,8 @@ def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref
     n_a, n_b = fin // a_col_tile, fout // b_col_tile
     per = -(-n_b // n_split)
 
-    def block(b):
-        s0, start, end, k = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b], sched_ref[3, b]
+    def block(col):
+        s0, start, end, k = col
         s = g * slots + s0                     # module g's row of slot s0
         r = jnp.minimum(ranks_ref[s], max_rank)
 
@@ -361,7 +394,7 @@ def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref
                 def _():
                     add_b(hi - 1, last)
 
-    _blocks(p, n_programs, total_ref, block)
+    _blocks(p, n_programs, total_ref, sched_ref, block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +541,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         dtype=jnp.promote_types(x.dtype, rows.dtype), split_k=split_k, interpret=interpret,
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
         static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
-        hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact)
+        hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact,
+        early_loads=blocks.get("early_loads", False))
     shape = (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
@@ -534,7 +568,8 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
-        y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False))
+        y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False),
+        early_loads=blocks.get("early_loads", False))
     return pl.pallas_call(
         kernel,
         grid=(n_programs, out_features // col_tile),

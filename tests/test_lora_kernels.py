@@ -408,9 +408,16 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     # the defaults before session 10: no software pipeline, one program per (block, every rank tile)
     {"shrink": {"prefetch_next": False, "compact_tiles": False}, "expand": {"prefetch_next": False}},
     {"shrink": {"prefetch_next": False, "compact_tiles": False, "split_k": 1}},
+    # early_loads: schedule columns read a trip ahead, gathers indexed without waiting for the rank
+    {"shrink": {"early_loads": True}, "expand": {"early_loads": True}},
+    {"shrink": {"early_loads": True, "compact_tiles": False}, "expand": {"early_loads": True, "rank_tile": 32}},
+    {"shrink": {"early_loads": True, "max_programs": 2, "split_k": 1}, "expand": {"early_loads": True,
+                                                                                  "max_programs": 2}},
+    {"shrink": {"early_loads": True, "hoist_rows": True, "col_tile": 32, "prefetch_next": False}, "width": 128},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
         "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
-        "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1"])
+        "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1", "early_loads",
+        "early_loads_full_schedule", "early_loads_many_trips", "early_loads_hoist_rows"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
@@ -447,13 +454,17 @@ def group_inputs(fouts, tag):
     return cases, made, made[0][0]["x"], made[0][3], rows, a_rows, b_rows, ranks, union
 
 
-@pytest.mark.parametrize("split_k,compact", [(1, False), (4, False), (4, True)], ids=["k1", "k4", "k4_compact_tiles"])
-def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact):
+@pytest.mark.parametrize("split_k,compact,early", [(1, False, False), (4, False, False), (4, True, False),
+                                                   (4, True, True), (1, True, True)],
+                         ids=["k1", "k4", "k4_compact_tiles", "k4_compact_early", "k1_compact_early"])
+def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact, early):
     """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
     a slot that only some modules have, one shrink launch: each y gets its own module's delta.
-    compact_tiles: the shrink's items are the live tiles of the modules' largest rank per slot."""
+    compact_tiles: the shrink's items are the live tiles of the modules' largest rank per slot
+    (early_loads: with no rank guard, so a module of smaller rank masks those tiles itself)."""
     monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k,
-                                                "compact_tiles": compact})
+                                                "compact_tiles": compact, "early_loads": early})
+    monkeypatch.setitem(lora.BLOCKS, "expand", {**lora.BLOCKS["expand"], "early_loads": early})
     jax.clear_caches()  # BLOCKS is read at trace time
     try:
         cases, made, x, seg, rows, a_rows, b_rows, ranks, union = group_inputs((128, 64, 64), "group")
