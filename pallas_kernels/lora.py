@@ -85,7 +85,7 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=False),
+                   max_programs=256, early_loads=False, split_partials=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
                    max_programs=256, early_loads=False),
     # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
@@ -216,7 +216,7 @@ def _shrink_step(tiles, acc):
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
-                   hoist_rows=False, compact_tiles=False, early_loads=False):
+                   hoist_rows=False, compact_tiles=False, early_loads=False, partials=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -270,10 +270,11 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 lo = q * per_split
                 acc = _loop(lo, jnp.minimum(lo + per_split, n_chunks), load, use, zero, prefetch_next)
             cols = pl.ds(g * module_cols + k * rank_tile, rank_tile)
-            tile = xa_ref.at[pl.ds(start, block_t), cols]
             mask = tok_live[:, None] & j_live[None, :]
             if split_k == 1:
-                plgpu.store(tile, acc, mask=mask)
+                plgpu.store(xa_ref.at[pl.ds(start, block_t), cols], acc, mask=mask)
+            elif partials:  # split q's partial sums in its own plane of xa, summed by the expand
+                plgpu.store(xa_ref.at[q, pl.ds(start, block_t), cols], acc, mask=mask)
             else:  # partial sums over column ranges meet in the zeroed xa (padded to whole
                 # tiles, so no block's tile runs past it); dead entries add zero
                 acc = jnp.where(mask, acc, 0.0)
@@ -310,8 +311,10 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
             jc = jnp.minimum(j, max_rank - 1) if early_loads else jnp.where(j_live, j, 0)
             bt = _gather_tile(rows_ref, b_rows_ref, s, jc * fout + col, width, col_tile)  # [rank_tile, C]
             bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
-            xat = plgpu.load(xa_ref.at[pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
-                             mask=tok_live[:, None] & ((j < max_rank) if early_loads else j_live)[None, :], other=0)
+            # xa [S, T', cols]: S planes of split-K partial sums (split_partials), added here
+            xa_mask = tok_live[:, None] & ((j < max_rank) if early_loads else j_live)[None, :]
+            xat = sum(plgpu.load(xa_ref.at[jnp.int32(i), pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
+                                 mask=xa_mask, other=0) for i in range(xa_ref.shape[0]))
             xat = jnp.where(j_live[None, :], xat, 0).astype(dtype) if early_loads else xat.astype(dtype)
             return bt, xat
 
@@ -533,8 +536,10 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
     tiles = pl.cdiv(max_rank, rank_tile)
-    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode)
+    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode);
+    # split_partials: one plane of partial sums per split, plain stores instead of atomic adds
     rows_out, module_cols = (t, max_rank) if split_k == 1 else (t + block_t, tiles * rank_tile)
+    partials = split_k > 1 and blocks.get("split_partials", False)
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fin=in_features, width=width,
@@ -542,8 +547,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
         static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
         hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact,
-        early_loads=blocks.get("early_loads", False))
-    shape = (rows_out, n_modules * module_cols)
+        early_loads=blocks.get("early_loads", False), partials=partials)
+    shape = (split_k, rows_out, n_modules * module_cols) if partials else (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
         grid=(n_programs, n_modules if compact else n_modules * tiles, split_k),
@@ -578,7 +583,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_expand",
-    )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
+    )(total, sched, ranks, b_rows.astype(jnp.int32), (xa if xa.ndim == 3 else xa[None]).astype(jnp.float32), rows, y)
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "interpret", "block_t", "max_programs"))
@@ -634,6 +639,8 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
     """
     xa = lora_shrink_group(x, rows, (a_rows,), (ranks,), seg_starts, max_rank=max_rank, in_features=in_features,
                            interpret=interpret, block_t=block_t, max_programs=max_programs, schedule=schedule)
+    if xa.ndim == 3:  # split_partials: the splits' planes
+        xa = xa.sum(0)
     return xa[:x.shape[0], :max_rank]
 
 
@@ -642,8 +649,11 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
     """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
     are sequences of G per-module arrays, or already stacked [G, Sa, RA] and [G, Sa] (the engine
     stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa
-    [T', G * Rw] float32, module g's columns from g * Rw (Rw = xa.shape[1] // G >= max_rank,
+    [T', G * Rw] float32, module g's columns from g * Rw (Rw = xa.shape[-1] // G >= max_rank,
     T' >= T: split-K pads both to whole tiles); pass it to lora_expand with xa_col = g * Rw.
+    With split-K and BLOCKS["shrink"]["split_partials"]: [split_k, T', G * Rw], each split's
+    partial sums in its own plane (plain stores, no atomic adds), which lora_expand adds as it
+    reads them; sum(0) gives the xa above.
     schedule: shrink_schedule of each slot's largest rank over the modules."""
     assert x.shape[1] == in_features, (x.shape, in_features)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
@@ -667,14 +677,16 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     y's dtype.
 
     y [T, out]; xa [T' >= T, >= xa_col + max_rank] float32 (from lora_shrink, or lora_shrink_group
-    with xa_col = g * Rw); b_rows [Sa, RB] int32 row indices of scale*B_s [r_s, out] flattened.
-    The product runs in the pool's dtype, accumulated in float32.
+    with xa_col = g * Rw), or [S, T', ...]: S planes of partial sums, added as they are read;
+    b_rows [Sa, RB] int32 row indices of scale*B_s [r_s, out] flattened. The product runs in the
+    pool's dtype, accumulated in float32.
     """
-    assert y.shape[1] == out_features and xa.shape[0] >= y.shape[0] and xa.shape[1] >= xa_col + max_rank, \
+    assert y.shape[1] == out_features and xa.shape[-2] >= y.shape[0] and xa.shape[-1] >= xa_col + max_rank, \
         (y.shape, xa.shape, out_features, xa_col)
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
         # See lora_shrink.
-        return lora_expand_reference(y, xa[:y.shape[0], xa_col:xa_col + max_rank], rows, b_rows, ranks, seg_starts,
+        xa2 = xa.sum(0) if xa.ndim == 3 else xa
+        return lora_expand_reference(y, xa2[:y.shape[0], xa_col:xa_col + max_rank], rows, b_rows, ranks, seg_starts,
                                      max_rank=max_rank, out_features=out_features)
     _check_block_t(block_t)
     return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
@@ -707,7 +719,7 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
     shrink; either None: built in the graph."""
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
                            **_shrink_options(kernel_options, shrink_schedule))
-    cols = xa.shape[1] // len(ys)
+    cols = xa.shape[-1] // len(ys)
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
                              **kernel_options)
                  for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))

@@ -319,7 +319,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 x, rows, a_group, r_group, lora.seg_starts,
                 max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=lora.block_t))
         xa = seen[2]
-        col = group.index(module) * (xa.shape[1] // len(group))  # this module's columns of xa
+        col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
                            out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t)
     return apply

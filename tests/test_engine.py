@@ -1200,6 +1200,30 @@ def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
         assert_drained(engine)
 
 
+def test_split_partials_changes_no_output(paths, ref, monkeypatch):
+    """Split-K shrink partial sums in planes of xa, added by the expand (BLOCKS["shrink"]
+    ["split_partials"], off by default; with early_loads): the reference's tokens, and the planes
+    really reach the expands (16-column chunks, so the tiny model's width splits)."""
+    from pallas_kernels import lora as lora_kernels
+    monkeypatch.setitem(lora_kernels.BLOCKS, "shrink", {**lora_kernels.BLOCKS["shrink"], "split_partials": True,
+                                                        "early_loads": True, "col_tile": 16, "split_k": 4})
+    monkeypatch.setitem(lora_kernels.BLOCKS, "expand", {**lora_kernels.BLOCKS["expand"], "early_loads": True})
+    planes = []
+    real = paged.lora_expand
+
+    def spy(y, xa, *args, **kw):
+        planes.append(xa.shape[0] if xa.ndim == 3 else 1)
+        return real(y, xa, *args, **kw)
+    monkeypatch.setattr(paged, "lora_expand", spy)
+    rows = [0, 1, 3, 5]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
+    outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+    assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+    assert 4 in planes, planes
+    assert_drained(engine)
+
+
 def test_adapter_status_for_routers(paths):
     """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
     it is resident in the device pool and cached in host memory, and its running and waiting

@@ -414,10 +414,15 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"early_loads": True, "max_programs": 2, "split_k": 1}, "expand": {"early_loads": True,
                                                                                   "max_programs": 2}},
     {"shrink": {"early_loads": True, "hoist_rows": True, "col_tile": 32, "prefetch_next": False}, "width": 128},
+    # split_partials: each split's partial sums in its own plane of xa, added by the expand
+    {"shrink": {"split_partials": True}},
+    {"shrink": {"split_partials": True, "split_k": 3}},  # uneven: the last split stores zeros
+    {"shrink": {"split_partials": True, "early_loads": True, "compact_tiles": False}, "expand": {"early_loads": True}},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
         "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
         "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1", "early_loads",
-        "early_loads_full_schedule", "early_loads_many_trips", "early_loads_hoist_rows"])
+        "early_loads_full_schedule", "early_loads_many_trips", "early_loads_hoist_rows", "split_partials",
+        "split_partials_uneven", "split_partials_early_loads"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
@@ -438,6 +443,39 @@ def test_block_variants_match_dense(monkeypatch, blocks):
         jax.clear_caches()
 
 
+def test_split_partials_planes(monkeypatch):
+    """split_partials: lora_shrink_group returns one plane of partial sums per split (their sum is
+    xa), lora_shrink still returns xa with exact zeros past each token's rank, and lora_expand
+    adds the planes as it reads them, reading nothing past the rank or on base tokens."""
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_partials": True, "split_k": 4})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        case = dataclasses.replace(CASES["mixed"], fin=128)   # four 32-column chunks, one a split
+        arr, *_, seg, ranks = make_inputs(case, jnp.float32, seed=seed_of("partials"))
+        args = (arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"])
+        want = lora.lora_shrink_reference(*args, max_rank=MAX_RANK, in_features=case.fin)
+        planes = lora.lora_shrink_group(arr["x"], arr["rows"], (arr["a_rows"],), (arr["ranks"],), arr["seg_starts"],
+                                        max_rank=MAX_RANK, in_features=case.fin, interpret=True)
+        assert planes.ndim == 3 and planes.shape[0] == 4
+        assert rel_err(planes.sum(0)[:TOKENS, :MAX_RANK], want) < TOL[jnp.float32]
+        got = lora.lora_shrink(*args, max_rank=MAX_RANK, in_features=case.fin, interpret=True)
+        assert got.shape == (TOKENS, MAX_RANK) and rel_err(got, want) < TOL[jnp.float32]
+        dead = np.arange(MAX_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+        assert not np.asarray(got)[dead].any()
+        # the expand from planes with garbage where xa must not be read
+        rng = np.random.default_rng(seed_of("partials-y"))
+        y = jnp.asarray(rng.normal(size=(TOKENS, case.fout)), jnp.float32)
+        noisy = np.array(planes)
+        noisy[:, :TOKENS, :MAX_RANK][:, dead] = 1e3
+        eargs = (arr["rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"])
+        out = lora.lora_expand(y, jnp.asarray(noisy), *eargs, max_rank=MAX_RANK, out_features=case.fout,
+                               interpret=True)
+        ref = lora.lora_expand_reference(y, want, *eargs, max_rank=MAX_RANK, out_features=case.fout)
+        assert rel_err(out, ref) < TOL[jnp.float32]
+    finally:
+        jax.clear_caches()
+
+
 def group_inputs(fouts, tag):
     """Three modules that read one x (q, k, v) with other ranks each and a slot only some have, in
     one pool (module i's rows from i * POOL_ROWS): (cases, made, x, seg, rows, a_rows, b_rows,
@@ -454,16 +492,19 @@ def group_inputs(fouts, tag):
     return cases, made, made[0][0]["x"], made[0][3], rows, a_rows, b_rows, ranks, union
 
 
-@pytest.mark.parametrize("split_k,compact,early", [(1, False, False), (4, False, False), (4, True, False),
-                                                   (4, True, True), (1, True, True)],
-                         ids=["k1", "k4", "k4_compact_tiles", "k4_compact_early", "k1_compact_early"])
-def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact, early):
+@pytest.mark.parametrize("split_k,compact,early,partials", [
+    (1, False, False, False), (4, False, False, False), (4, True, False, False), (4, True, True, False),
+    (1, True, True, False), (4, True, True, True), (4, False, False, True)],
+    ids=["k1", "k4", "k4_compact_tiles", "k4_compact_early", "k1_compact_early", "k4_compact_early_partials",
+         "k4_partials"])
+def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact, early, partials):
     """lora_apply_group: q, k and v (one x; k and v narrower, GQA) with other ranks per module,
     a slot that only some modules have, one shrink launch: each y gets its own module's delta.
     compact_tiles: the shrink's items are the live tiles of the modules' largest rank per slot
     (early_loads: with no rank guard, so a module of smaller rank masks those tiles itself)."""
     monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": split_k,
-                                                "compact_tiles": compact, "early_loads": early})
+                                                "compact_tiles": compact, "early_loads": early,
+                                                "split_partials": partials})
     monkeypatch.setitem(lora.BLOCKS, "expand", {**lora.BLOCKS["expand"], "early_loads": early})
     jax.clear_caches()  # BLOCKS is read at trace time
     try:
