@@ -550,3 +550,38 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
     assert dev["by_kernel_us"] and 0 < sum(dev["by_kernel_us"].values()) <= dev["kernel_us"] + 1e-6
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
+
+
+def test_programs_per_sm_limits():
+    """bench/kernel_sass.programs_per_sm: registers are allocated per warp in units of 256, and
+    shared memory, threads and the 32-block limit cap an SM's resident programs."""
+    from bench.kernel_sass import SM_REGS, programs_per_sm
+    assert programs_per_sm(123, 16384, 4) == SM_REGS // (16 * 256 * 4)   # 123 * 32 -> 16 units a warp
+    assert programs_per_sm(69, 4608, 4) == SM_REGS // (9 * 256 * 4)
+    assert programs_per_sm(32, 100 * 1024, 4) == 2                        # shared memory bound
+    assert programs_per_sm(16, 0, 1) == 32                                # the block limit
+    assert programs_per_sm(255, 0, 16) == 0                               # does not fit
+
+
+def test_kernel_sass_sees_the_split_k_fences(tmp_path):
+    """bench/kernel_sass.py on the CPU: the Pallas shrink's split-K atomic adds compile to fenced
+    atomics (MEMBAR in the sm_90 SASS), split_partials' plain stores to none; each kernel reports
+    its registers and resident programs."""
+    from tests.test_triton_kernels import interpreter_python
+    py = interpreter_python()
+    if py is None:
+        pytest.skip("no Python with triton (set SLORA_TRITON_PYTHON)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", SLORA_TRITON_PYTHON=py)
+    res = {}
+    for name, blocks in (("atomic", ""), ("planes", '{"shrink":{"split_partials":true}}')):
+        p = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--tokens", "40",
+                            "--adapters", "8", "--json", "--blocks", blocks], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    for r in res.values():
+        for k in ("lora_shrink", "lora_expand"):
+            assert r[k]["registers"] > 0 and r[k]["programs_per_sm"] >= 1 and any("LDG" in o for o in r[k]["ops"])
+    shrink_atomic, shrink_planes = res["atomic"]["lora_shrink"], res["planes"]["lora_shrink"]
+    assert shrink_atomic["fences"] > 0 and any(o.startswith("ATOMG") for o in shrink_atomic["ops"])
+    assert shrink_planes["fences"] == 0 and not any(o.startswith(("ATOMG", "RED")) for o in shrink_planes["ops"])
