@@ -36,7 +36,7 @@ arrays, and its xa columns start at g * Rw. Each module then expands from its ow
 (`lora_expand(..., xa_col=g * Rw)`). One launch instead of three per layer, and expand reads
 shrink's padded xa directly (no slice copy).
 
-Fused (`lora_fused_apply`, BLOCKS["fused"]; off in the engine until timed on a GPU). Shrink and
+Fused (`lora_fused_apply`, BLOCKS["fused"]; off in the engine: slower on the H200, see BLOCKS). Shrink and
 expand in one launch: a program per live (block, rank tile) item and share of the output columns
 computes its xa tile over all of `in` in registers and adds xa @ B[tile] into a float32 delta by
 atomic adds, which one XLA fusion adds to y. One launch and no xa round trip a module, against a
@@ -88,7 +88,12 @@ BLOCKS = {
                    max_programs=256, early_loads=False, split_partials=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
                    max_programs=256, early_loads=False),
-    # lora_fused_apply (off in the engine unless `decode` is on; not yet timed on a GPU): shrink and
+    # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
+    # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
+    # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
+    # 5.75; issue 4's 64 x 32 point 46.8 us of device time against 20.4. A program's A walk (all
+    # of `in`) and B walk run one after the other, so the long per-program chains that split-K
+    # cut come back, with atomic adds on the delta on top): shrink and
     # expand in one launch for calls of at most max_tokens tokens. n_split: programs sharing one
     # (block, rank tile) item's output columns, each recomputing its xa tile (A re-read from L2).
     # max_programs: programs walking the item list (an H200 keeps ~1000 of these small programs in
@@ -119,6 +124,23 @@ BLOCKS = {
 # Why they help: the kernels are latency-bound per program (fewer, longer programs lost above;
 # y_first, which moves a load ahead, won): prefetch_next overlaps a program's loads with its dots,
 # compact_tiles launches no program that only exits.
+
+# Session 13 (H200, device time, bench/results/20261130-eeb54fb/; the S2 decode step, B 172 x 156
+# adapters, ranks 64-8, context 430: LoRA kernels 5.75-5.81 ms at the defaults over four profiles,
+# q/k/v shrink 2.10-2.12, o shrink 0.84-0.85, expands 0.68-0.73):
+#   expand col_tile 256 6.25; num_warps 2 (both) 10.68; shrink split_k 8 6.09; shrink
+#   max_programs 512 / 1024 / 128 5.72 / 5.84 / 5.88: no gain.
+#   early_loads (both) 5.87 (q/k/v shrink 2.07, o 0.82, expands 0.74-0.75: 69 -> 86 registers);
+#   off.
+#   shrink without prefetch_next, num_stages 4, hoist_rows, split_k 1 (Triton's cp.async
+#   pipeline, no atomic adds): q/k/v shrink 1.85 and 1.91 in two profiles (-10 to -13%), o
+#   shrink 0.88 (+4%): 5.58 / 5.74. Not default: it helps the grouped launch and hurts the single
+#   one, and it has not run through the GPU tests.
+#   split_partials (no atomic adds, split-K kept): written after the calls, not yet timed.
+#   bench/kernel_sass.py shows why it may matter: each split-K atomic add is an acq_rel atomic,
+#   a MEMBAR.ALL.GPU before it and an L1 invalidate after it in the SASS.
+# Issue 4's 64 x 32 point (one 4096 -> 4096 module, device time) stays at 17.8-22.6 us whatever
+# the setting (12 settings and 7 more in three sweeps; 9.1 us is 60%): each kernel takes >= 8.3 us.
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
