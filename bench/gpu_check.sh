@@ -118,4 +118,12 @@ if has profile; then
   grep -v "^W1\|^I1" "$OUT/profile_step.log" | tail -60
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
+# The device tool brings back at most 8 files from $OUT: a call with more (profiles of several
+# settings write two each) packs them into one archive, $OUT/<parts>.tgz (PACK=0: never; 1: always).
+n_files=$(find "$OUT" -type f | wc -l)
+if [[ ${PACK:-auto} == 1 || ( ${PACK:-auto} == auto && $n_files -gt 6 ) ]]; then
+  archive="/tmp/${parts//,/-}.tgz"
+  tar czf "$archive" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$archive" "$OUT/" \
+    && echo "packed $n_files files into $OUT/$(basename "$archive")"
+fi
 exit $rc
