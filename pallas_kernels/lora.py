@@ -333,10 +333,13 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
             jc = jnp.minimum(j, max_rank - 1) if early_loads else jnp.where(j_live, j, 0)
             bt = _gather_tile(rows_ref, b_rows_ref, s, jc * fout + col, width, col_tile)  # [rank_tile, C]
             bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
-            # xa [S, T', cols]: S planes of split-K partial sums (split_partials), added here
             xa_mask = tok_live[:, None] & ((j < max_rank) if early_loads else j_live)[None, :]
-            xat = sum(plgpu.load(xa_ref.at[jnp.int32(i), pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
-                                 mask=xa_mask, other=0) for i in range(xa_ref.shape[0]))
+            xa_tile = (pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile))
+            if len(xa_ref.shape) == 3:  # [S, T', cols]: S planes of split-K partial sums, added here
+                xat = sum(plgpu.load(xa_ref.at[(jnp.int32(i),) + xa_tile], mask=xa_mask, other=0)
+                          for i in range(xa_ref.shape[0]))
+            else:
+                xat = plgpu.load(xa_ref.at[xa_tile], mask=xa_mask, other=0)
             xat = jnp.where(j_live[None, :], xat, 0).astype(dtype) if early_loads else xat.astype(dtype)
             return bt, xat
 
@@ -605,7 +608,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_expand",
-    )(total, sched, ranks, b_rows.astype(jnp.int32), (xa if xa.ndim == 3 else xa[None]).astype(jnp.float32), rows, y)
+    )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "interpret", "block_t", "max_programs"))
