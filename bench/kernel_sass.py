@@ -56,6 +56,7 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
     class _H200:
         compute_capability = 90
 
+    gpu_info = registration.gpu_info_lib.get_gpu_info
     registration.gpu_info_lib.get_gpu_info = lambda: _H200()  # no GPU here: answer the query
     modules = []
     real = triton_lowering.lower_jaxpr_to_triton_module
@@ -89,6 +90,7 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
                     ).trace(y, xa, rows, a_rows, ranks, seg, bsched).lower(lowering_platforms=("cuda",))
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = real
+        registration.gpu_info_lib.get_gpu_info = gpu_info
     out = {}
     for name, text in zip(("lora_shrink", "lora_expand"), [m for m in modules if "tt.func" in m]):
         path = out_dir / f"{name}.ttir"
