@@ -85,7 +85,7 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=False, split_partials=False),
+                   max_programs=256, early_loads=True, split_partials=True),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
                    max_programs=256, early_loads=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
@@ -136,11 +136,21 @@ BLOCKS = {
 #   pipeline, no atomic adds): q/k/v shrink 1.85 and 1.91 in two profiles (-10 to -13%), o
 #   shrink 0.88 (+4%): 5.58 / 5.74. Not default: it helps the grouped launch and hurts the single
 #   one, and it has not run through the GPU tests.
-#   split_partials (no atomic adds, split-K kept): written after the calls, not yet timed.
-#   bench/kernel_sass.py shows why it may matter: each split-K atomic add is an acq_rel atomic,
+#   split_partials (no atomic adds, split-K kept): written after the calls, timed in session 14.
+#   bench/kernel_sass.py shows why it matters: each split-K atomic add is an acq_rel atomic,
 #   a MEMBAR.ALL.GPU before it and an L1 invalidate after it in the SASS.
+# Session 14 (same profile, bench/results/20261130-61e429f/): shrink split_partials and
+# early_loads are the defaults from here on (the expand keeps early_loads off: 69 registers).
+#   defaults before                     5.74  (q/k/v shrink 2.10, o shrink 0.84, expands 0.68-0.72)
+#   split_partials                      5.48  (1.86, 0.74, 0.71-0.73)
+#   split_partials + early_loads        5.40 / 5.40 in two calls (1.81, 0.71, 0.71-0.73)
+#   the same, split_k 2                 5.44;  max_programs 512: 5.37 (one call; not taken)
+#   split_partials, cp.async pipeline, split_k 2 (with / without early_loads) 5.42 / 5.44
+#   split_partials, expand col_tile 64  5.99 (expands 0.90)
+# Issue 4's point: 20.4 -> 19.3 us (split_partials), 19.1 (both).
 # Issue 4's 64 x 32 point (one 4096 -> 4096 module, device time) stays at 17.8-22.6 us whatever
 # the setting (12 settings and 7 more in three sweeps; 9.1 us is 60%): each kernel takes >= 8.3 us.
+# Session 14's split_partials settings: 18.7-19.3 us.
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).

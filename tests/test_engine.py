@@ -1202,8 +1202,9 @@ def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
 
 def test_split_partials_changes_no_output(paths, ref, monkeypatch):
     """Split-K shrink partial sums in planes of xa, added by the expand (BLOCKS["shrink"]
-    ["split_partials"], off by default; with early_loads): the reference's tokens, and the planes
-    really reach the expands (16-column chunks, so the tiny model's width splits)."""
+    ["split_partials"] with early_loads, the defaults since session 14): the reference's tokens,
+    and the planes really reach the expands (16-column chunks, so the tiny model's width splits;
+    at its own default chunk the tiny model's shrink does not split)."""
     from pallas_kernels import lora as lora_kernels
     monkeypatch.setitem(lora_kernels.BLOCKS, "shrink", {**lora_kernels.BLOCKS["shrink"], "split_partials": True,
                                                         "early_loads": True, "col_tile": 16, "split_k": 4})
