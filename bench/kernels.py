@@ -250,6 +250,7 @@ class LoraPool:
         c = len(self.cycle)
         per = -(-n // c)
         out = []
+        bt = lora_kernels.decode_block_t("pallas")
         for k in range(k_sets):
             m = np.array([((k * per + s // c) % self.per_class) * c + s % c for s in range(n)])
             out.append({
@@ -258,11 +259,15 @@ class LoraPool:
                 "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
                 "ranks": jnp.asarray(self.ranks[m]),
                 "seg": jnp.asarray(np.arange(n + 1, dtype=np.int32) * (t // n)),
-                # the kernels' block schedule, built on the host as the engine builds it
+                # the kernels' block schedule, built on the host as the engine builds it (the
+                # Pallas pair's at the engine's decode block_t: 1 with BLOCKS["mbgmv"]["decode"])
                 "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
+                "pallas_schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, bt))),
                 "shrink_schedule": tuple(map(jnp.asarray, lora_kernels.shrink_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, bt,
+                    max_rank=self.max_rank))),
                 "fused_schedule": tuple(map(jnp.asarray, lora_kernels.fused_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
@@ -317,8 +322,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
-        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["schedule"],
-                          shrink_schedule=s["shrink_schedule"], **kw)
+        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["pallas_schedule"],
+                          shrink_schedule=s["shrink_schedule"], block_t=lora_kernels.decode_block_t("pallas"), **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
@@ -643,7 +648,7 @@ def main() -> None:
               "triton_block": dict(triton_lora.BLOCKS),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
-              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.BLOCK_T),
+              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas")),
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():

@@ -100,6 +100,13 @@ BLOCKS = {
     # flight; the split kernels' 256 would leave S2's ~300 items a decode step looping twice).
     "fused": dict(decode=False, max_tokens=256, rank_tile=16, a_col_tile=256, b_col_tile=128, n_split=2,
                   max_programs=1024, num_warps=4, num_stages=2, prefetch_next=True),
+    # mbgmv (off; session 14, not yet timed on a GPU): the engine's Pallas decode steps in blocks of
+    # one token (decode_block_t). A block's products are then a multiply and a sum (S-LoRA's MBGMV)
+    # instead of Triton dots of 16 rows, of which a decode step's blocks fill ~1: x, y and the
+    # accumulators are one row each, so a program holds fewer registers and an SM more programs
+    # (the kernels are latency-bound per program: session 13's profiles). An adapter with several
+    # tokens in the step is read once per token (from L2 after the first).
+    "mbgmv": dict(decode=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -240,8 +247,11 @@ def _shrink_tiles(rows_ref, a_rows_ref, x_ref, s, first, col, start, j_live, tok
 
 
 def _shrink_step(tiles, acc):
-    """acc [block_t, rank_tile] += x tile @ A^T tile^T, in float32."""
+    """acc [block_t, rank_tile] += x tile @ A^T tile^T, in float32. block_t 1 (MBGMV): a multiply
+    and a sum over the columns instead of a dot (Triton's dot needs 16 rows)."""
     at, xt = tiles
+    if acc.shape[0] == 1:
+        return acc + jnp.sum(at.astype(jnp.float32) * xt.astype(jnp.float32), axis=1)[None, :]
     return acc + jax.lax.dot_general(xt, at, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -355,6 +365,8 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
 
         def use(tiles, acc):
             bt, xat = tiles
+            if block_t == 1:  # MBGMV: a multiply and a sum over the rank rows (see _shrink_step)
+                return acc + jnp.sum(bt.astype(jnp.float32) * xat.astype(jnp.float32).T, axis=0)[None, :]
             return acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())),
                                              preferred_element_type=jnp.float32)
 
@@ -495,6 +507,15 @@ def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_ra
                           max_rank)
 
 
+def decode_block_t(backend: str) -> int:
+    """The block_t the engine gives a decode step's LoRA kernels under `backend`: 1 (MBGMV) with
+    BLOCKS["mbgmv"]["decode"] on, for the Pallas shrink and expand (not the Triton twins, nor the
+    fused kernel, whose products are dots); else BLOCK_T."""
+    if BLOCKS["mbgmv"]["decode"] and backend == "pallas" and not BLOCKS["fused"]["decode"]:
+        return 1
+    return BLOCK_T
+
+
 def fused_applies(t: int) -> bool:
     """Whether the engine's Pallas LoRA path takes lora_fused_apply for a call of t tokens: with
     BLOCKS["fused"]["decode"] on, for calls of at most its max_tokens (decode steps)."""
@@ -543,9 +564,11 @@ def _compiler_params(interpret: bool, blocks: dict):
     return plgpu.CompilerParams(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
 
 
-def _check_block_t(block_t: int):
-    if block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16 (Triton dot sides), got {block_t}")
+def _check_block_t(block_t: int, mbgmv: bool = False):
+    """block_t: a power of two >= 16 (Triton's dot sides); mbgmv (the Pallas shrink and expand): or 1."""
+    if not (mbgmv and block_t == 1) and (block_t < 16 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t must be {'1 (MBGMV) or ' if mbgmv else ''}a power of two >= 16 "
+                         f"(Triton dot sides), got {block_t}")
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "in_features", "interpret", "block_t",
@@ -695,7 +718,7 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
                                                       in_features=in_features) for a, r in zip(a_rows, ranks)], 1)
-    _check_block_t(block_t)
+    _check_block_t(block_t, mbgmv=True)
     def stack(v):
         if not isinstance(v, (list, tuple)):
             return v if v.shape[0] > 1 else v[0]  # stacked by the caller
@@ -723,7 +746,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
         xa2 = xa.sum(0) if xa.ndim == 3 else xa
         return lora_expand_reference(y, xa2[:y.shape[0], xa_col:xa_col + max_rank], rows, b_rows, ranks, seg_starts,
                                      max_rank=max_rank, out_features=out_features)
-    _check_block_t(block_t)
+    _check_block_t(block_t, mbgmv=True)
     return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
                    max_programs=max_programs or BLOCKS["expand"]["max_programs"], xa_col=xa_col)

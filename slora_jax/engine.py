@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import block_schedule, fused_applies, fused_schedule, shrink_schedule
+from pallas_kernels.lora import block_schedule, decode_block_t, fused_applies, fused_schedule, shrink_schedule
 from slora_jax import paged
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -764,7 +764,7 @@ class Engine:
                           backend: str, decode: bool) -> paged.LoraInputs:
         """LoraInputs of a step (live or null): q/k/v stacked for the grouped shrink, schedules."""
         group = self.opts.lora_group_qkv
-        block_t = paged.LORA_BLOCK_T if decode else self.opts.prefill_lora_block_t
+        block_t = decode_block_t(backend) if decode else self.opts.prefill_lora_block_t
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,

@@ -1229,6 +1229,32 @@ def test_split_partials_changes_no_output(paths, ref, monkeypatch):
         jax.clear_caches()
 
 
+def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch):
+    """BLOCKS["mbgmv"]["decode"]: the Pallas decode steps' LoRA kernels in blocks of one token
+    (multiply-and-sum products): the reference's tokens, and block_t 1 really reaches the decode
+    steps' kernels (prefill steps keep prefill_lora_block_t)."""
+    from pallas_kernels import lora as lora_kernels
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "decode": True})
+    seen = []
+    real = paged.lora_expand
+
+    def spy(*args, **kw):
+        seen.append((args[0].shape[0], kw["block_t"]))
+        return real(*args, **kw)
+    monkeypatch.setattr(paged, "lora_expand", spy)
+    rows = [0, 1, 3, 5]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    jax.clear_caches()  # BLOCKS is read at trace time: no step traced by an earlier test
+    try:
+        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
+        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+        assert {bt for _, bt in seen} == {1, engine.engine.opts.prefill_lora_block_t}, seen
+        assert_drained(engine)
+    finally:
+        jax.clear_caches()
+
+
 def test_adapter_status_for_routers(paths):
     """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
     it is resident in the device pool and cached in host memory, and its running and waiting

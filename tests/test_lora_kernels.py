@@ -233,6 +233,33 @@ class TestLoraKernels:
                                     **self._kw())
         assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)) < 1e-5
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_mbgmv_block_t_1(self, name, dtype):
+        """block_t 1 (MBGMV: the engine's decode blocks with BLOCKS["mbgmv"]["decode"]): one token
+        a block, products by multiply and sum. The shrink matches the reference (exact zeros past
+        each rank and on base tokens); apply adds the dense product, base rows bit for bit y; with
+        the schedules built on the host, as the engine passes them, the same."""
+        case = CASES[name]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("mbgmv", name, dtype))
+        args = (arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"])
+        xa = lora.lora_shrink(*args, max_rank=MAX_RANK, in_features=case.fin, **self._kw(block_t=1))
+        want_xa = lora.lora_shrink_reference(*args, max_rank=MAX_RANK, in_features=case.fin)
+        assert rel_err(xa, want_xa) < TOL[dtype], rel_err(xa, want_xa)
+        dead = np.arange(MAX_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+        assert not np.asarray(xa)[dead].any()
+        y = jnp.asarray(np.random.default_rng(seed_of("mbgmv-y", name)).normal(size=(TOKENS, case.fout)), dtype)
+        kw = dict(max_rank=MAX_RANK, fin=case.fin, fout=case.fout, **self._kw(block_t=1))
+        got = lora.lora_apply(y, *delta_args(arr), **kw)
+        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
+        assert got.shape == y.shape and got.dtype == y.dtype
+        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
+        untouched = owner_rank(seg, ranks) == 0
+        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+        hosted = lora.lora_apply(y, *delta_args(arr), schedule=lora.block_schedule(ranks, seg, TOKENS, 1),
+                                 shrink_schedule=lora.shrink_schedule(ranks, seg, TOKENS, 1, max_rank=MAX_RANK), **kw)
+        np.testing.assert_array_equal(np.asarray(hosted), np.asarray(got))
+
     def test_few_programs_small_max_rank(self):
         """Fewer programs than blocks, so each walks several (the persistent loop); and a max rank
         below one rank tile, so tiles are masked rather than padded into xa."""
@@ -552,3 +579,19 @@ def test_blocks_from_environment():
     env["SLORA_LORA_BLOCKS"] = '{"shrink": {"no_such_setting": 1}}'
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "no_such_setting" in bad.stderr
+
+
+def test_decode_block_t(monkeypatch):
+    """The engine's decode block_t: BLOCK_T by default; 1 (MBGMV) with BLOCKS["mbgmv"]["decode"] for
+    the Pallas pair only (the Triton twins' and the fused kernel's products are dots of 16 rows),
+    which only the Pallas shrink and expand accept."""
+    assert lora.decode_block_t("pallas") == lora.BLOCK_T
+    monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "decode": True})
+    assert lora.decode_block_t("pallas") == 1
+    assert lora.decode_block_t("triton") == lora.BLOCK_T
+    monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True})
+    assert lora.decode_block_t("pallas") == lora.BLOCK_T
+    lora._check_block_t(1, mbgmv=True)
+    for bad, mbgmv in ((1, False), (8, True), (24, True)):
+        with pytest.raises(ValueError, match="block_t"):
+            lora._check_block_t(bad, mbgmv=mbgmv)
