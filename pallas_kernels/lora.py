@@ -15,8 +15,11 @@ blocks, none for base tokens, none for empty slots or slots of rank 0. The grid 
 Each program walks the block list with stride `programs`, a loop whose trip count is traced, so
 base tokens and empty slots cost at most one trivial pass per program. A slot's weight tile is read
 by each of its blocks; concurrent programs work on consecutive blocks, i.e. on the same slot, so
-it comes from HBM once and from L2 after. A decode step has one block per slot (S-LoRA's MBGMV); the
-engine may pass a larger block_t for prefill to cut the re-reads (MBGMM).
+it comes from HBM once and from L2 after. A decode step has one block per slot; the engine may pass
+a larger block_t for prefill to cut the re-reads (MBGMM). block_t 1 (BLOCKS["mbgmv"], S-LoRA's
+MBGMV; off until timed) gives each decode token its own block, and the products become a multiply
+and a sum instead of dots of 16 rows (Triton's smallest), so x, y and the accumulators are one
+row: fewer registers a program, more programs an SM.
 
 Padding is bounded by one tile: a block computes at most block_t - 1 dead token rows, and a slot of
 rank r computes ceil(r / rank_tile) rank tiles, whatever the batch's max rank (shrink: rank tiles at
