@@ -1200,6 +1200,23 @@ def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
         assert_drained(engine)
 
 
+def generates_reference_tokens(paths, ref):
+    """A Pallas-backend LLM under the BLOCKS a test set: four adapters' greedy tokens are the
+    reference's and the engine drains. BLOCKS is read at trace time, so the jit caches are
+    cleared before (no step traced by an earlier test) and after. Returns the LLM."""
+    rows = [0, 1, 3, 5]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    jax.clear_caches()
+    try:
+        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
+        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+        assert_drained(engine)
+        return engine
+    finally:
+        jax.clear_caches()
+
+
 def test_split_partials_changes_no_output(paths, ref, monkeypatch):
     """Split-K shrink partial sums in planes of xa, added by the expand (BLOCKS["shrink"]
     ["split_partials"] with early_loads, the defaults since session 14): the reference's tokens,
@@ -1216,17 +1233,8 @@ def test_split_partials_changes_no_output(paths, ref, monkeypatch):
         planes.append(xa.shape[0] if xa.ndim == 3 else 1)
         return real(y, xa, *args, **kw)
     monkeypatch.setattr(paged, "lora_expand", spy)
-    rows = [0, 1, 3, 5]
-    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
-    jax.clear_caches()  # BLOCKS is read at trace time: no step traced by an earlier test
-    try:
-        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
-        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
-        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
-        assert 4 in planes, planes
-        assert_drained(engine)
-    finally:
-        jax.clear_caches()
+    generates_reference_tokens(paths, ref)
+    assert 4 in planes, planes
 
 
 def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch):
@@ -1242,17 +1250,8 @@ def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch):
         seen.append((args[0].shape[0], kw["block_t"]))
         return real(*args, **kw)
     monkeypatch.setattr(paged, "lora_expand", spy)
-    rows = [0, 1, 3, 5]
-    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
-    jax.clear_caches()  # BLOCKS is read at trace time: no step traced by an earlier test
-    try:
-        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
-        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
-        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
-        assert {bt for _, bt in seen} == {1, engine.engine.opts.prefill_lora_block_t}, seen
-        assert_drained(engine)
-    finally:
-        jax.clear_caches()
+    engine = generates_reference_tokens(paths, ref)
+    assert {bt for _, bt in seen} == {1, engine.engine.opts.prefill_lora_block_t}, seen
 
 
 def test_adapter_status_for_routers(paths):

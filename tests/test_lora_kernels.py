@@ -121,6 +121,16 @@ def owner_rank(seg, ranks):
     return np.where((slot >= 0) & (slot < SLOTS), ranks[np.clip(slot, 0, SLOTS - 1)], 0)
 
 
+def assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, fout, dtype):
+    """got is y + the dense product, in y's shape and dtype; base rows and rank-0 slots' rows are
+    bit for bit y."""
+    want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, fout)
+    assert got.shape == y.shape and got.dtype == y.dtype
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
+    untouched = owner_rank(seg, ranks) == 0
+    np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+
+
 def seed_of(*key) -> int:
     return zlib.crc32(repr(key).encode())
 
@@ -192,11 +202,7 @@ class TestLoraKernels:
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("apply", name, dtype))
         y = jnp.asarray(np.random.default_rng(seed_of("apply-y", name)).normal(size=(TOKENS, case.fout)), dtype)
         got = lora.lora_apply(y, *delta_args(arr), max_rank=MAX_RANK, fin=case.fin, fout=case.fout, **self._kw())
-        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
-        assert got.shape == y.shape and got.dtype == y.dtype
-        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
-        untouched = owner_rank(seg, ranks) == 0
-        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+        assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", list(CASES))
@@ -208,11 +214,7 @@ class TestLoraKernels:
         y = jnp.asarray(np.random.default_rng(seed_of("fused-y", name)).normal(size=(TOKENS, case.fout)), dtype)
         kw = dict(max_rank=MAX_RANK, fin=case.fin, fout=case.fout, **self._kw())
         got = lora.lora_fused_apply(y, *delta_args(arr), **kw)
-        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
-        assert got.shape == y.shape and got.dtype == y.dtype
-        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
-        untouched = owner_rank(seg, ranks) == 0
-        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+        assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
         hosted = lora.lora_fused_apply(y, *delta_args(arr), schedule=lora.fused_schedule(
             ranks, seg, TOKENS, max_rank=MAX_RANK), **kw)
         np.testing.assert_allclose(np.asarray(hosted, np.float64), np.asarray(got, np.float64), rtol=1e-6,
@@ -251,11 +253,7 @@ class TestLoraKernels:
         y = jnp.asarray(np.random.default_rng(seed_of("mbgmv-y", name)).normal(size=(TOKENS, case.fout)), dtype)
         kw = dict(max_rank=MAX_RANK, fin=case.fin, fout=case.fout, **self._kw(block_t=1))
         got = lora.lora_apply(y, *delta_args(arr), **kw)
-        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
-        assert got.shape == y.shape and got.dtype == y.dtype
-        assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 2e-2), rel_err(got, want)
-        untouched = owner_rank(seg, ranks) == 0
-        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+        assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
         hosted = lora.lora_apply(y, *delta_args(arr), schedule=lora.block_schedule(ranks, seg, TOKENS, 1),
                                  shrink_schedule=lora.shrink_schedule(ranks, seg, TOKENS, 1, max_rank=MAX_RANK), **kw)
         np.testing.assert_array_equal(np.asarray(hosted), np.asarray(got))
