@@ -150,7 +150,8 @@ BLOCKS = {
 #   bench/kernel_sass.py shows why it matters: each split-K atomic add is an acq_rel atomic,
 #   a MEMBAR.ALL.GPU before it and an L1 invalidate after it in the SASS.
 # Session 14 (same profile, bench/results/20261130-61e429f/): shrink split_partials and
-# early_loads are the defaults from here on (the expand keeps early_loads off: 69 registers).
+# early_loads are the defaults from here on (the expand keeps early_loads off: session 13's
+# +5% on the expands, from 69 to 86 registers).
 #   defaults before                     5.74  (q/k/v shrink 2.10, o shrink 0.84, expands 0.68-0.72)
 #   split_partials                      5.48  (1.86, 0.74, 0.71-0.73)
 #   split_partials + early_loads        5.40 / 5.40 in two calls (1.81, 0.71, 0.71-0.73)
