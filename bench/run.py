@@ -100,6 +100,8 @@ def header(argv: list[str]) -> dict:
         import jax
         dev = jax.devices()[0]
         d.update(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__)
+        from pallas_kernels.lora import BLOCKS  # the kernel settings, SLORA_LORA_BLOCKS merged in
+        d["lora_blocks"] = BLOCKS
     except Exception as e:  # noqa: BLE001 - an HTTP run needs no JAX
         d.update(device=f"unknown ({e})", platform="unknown")
     return d

@@ -26,6 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import plots, run  # noqa: E402
+from pallas_kernels import lora as lora_kernels  # noqa: E402
 from bench.trace import (FixedBatch, Workload, generate, load_workload,  # noqa: E402
                          WORKLOAD_DIR)
 
@@ -165,6 +166,7 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert saved["metrics"] == result["metrics"]
     for key in ("commit", "device", "platform", "command", "workload", "trace", "pool", "engine_options"):
         assert key in saved, key
+    assert saved["lora_blocks"]["shrink"]["split_k"] == lora_kernels.BLOCKS["shrink"]["split_k"]
     m, p = result["metrics"], result["pool"]
     w = load_workload("S1-cpu")
     assert m["num_requests"] == w.total_requests == len(result["requests"])
