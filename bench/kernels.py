@@ -263,8 +263,6 @@ class LoraPool:
                 # Pallas pair's at the engine's decode block_t: 1 with BLOCKS["mbgmv"]["decode"])
                 "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
-                "pallas_schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, bt))),
                 "shrink_schedule": tuple(map(jnp.asarray, lora_kernels.shrink_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, bt,
                     max_rank=self.max_rank))),
@@ -272,6 +270,8 @@ class LoraPool:
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
+            out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else tuple(
+                map(jnp.asarray, lora_kernels.block_schedule(self.ranks[m], np.asarray(out[-1]["seg"]), t, bt)))
         return out
 
 
@@ -316,6 +316,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     sets = pool.sets(t, n, k_sets, seed)
     interp = opts["interpret"]
     kw = dict(max_rank=rmax, fin=fin, fout=fout)
+    block_t = lora_kernels.decode_block_t("pallas")  # the Pallas pair's, as pool.sets built its schedules
 
     def args(s):
         return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
@@ -323,7 +324,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
         return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["pallas_schedule"],
-                          shrink_schedule=s["shrink_schedule"], block_t=lora_kernels.decode_block_t("pallas"), **kw)
+                          shrink_schedule=s["shrink_schedule"], block_t=block_t, **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
