@@ -72,16 +72,17 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
         a_rows = jnp.zeros((adapters, -(-max_rank * features // width)), jnp.int32)
         ranks = jnp.full((adapters,), max(1, max_rank // 4), jnp.int32)
         seg = jnp.asarray(np.linspace(0, tokens, adapters + 1).astype(np.int32))
-        block_t = lora.decode_block_t("pallas")  # 1 with BLOCKS["mbgmv"]["decode"]
-        sched = tuple(map(jnp.asarray, lora.shrink_schedule(np.asarray(ranks), np.asarray(seg), tokens, block_t,
+        # each kernel's decode block_t: 1 where BLOCKS["mbgmv"] has it
+        block_t, shrink_bt = lora.decode_block_t("pallas", "expand"), lora.decode_block_t("pallas", "shrink")
+        sched = tuple(map(jnp.asarray, lora.shrink_schedule(np.asarray(ranks), np.asarray(seg), tokens, shrink_bt,
                                                             max_rank=max_rank)))
         cpu = jax.devices("cpu")[0]
         with jax.default_device(cpu):
             jax.jit(lambda *a: lora._shrink(*a, max_rank=max_rank, in_features=features, interpret=False,
-                                            block_t=block_t, max_programs=lora.BLOCKS["shrink"]["max_programs"])
+                                            block_t=shrink_bt, max_programs=lora.BLOCKS["shrink"]["max_programs"])
                     ).trace(x, rows, a_rows, ranks, seg, sched).lower(lowering_platforms=("cuda",))
             xa_shape = jax.eval_shape(lambda *a: lora._shrink(
-                *a, max_rank=max_rank, in_features=features, interpret=True, block_t=block_t,
+                *a, max_rank=max_rank, in_features=features, interpret=True, block_t=shrink_bt,
                 max_programs=lora.BLOCKS["shrink"]["max_programs"]), x, rows, a_rows, ranks, seg, sched)
             xa = jnp.zeros(xa_shape.shape, xa_shape.dtype)
             y = jnp.zeros((tokens, features), jnp.bfloat16)

@@ -250,7 +250,7 @@ class LoraPool:
         c = len(self.cycle)
         per = -(-n // c)
         out = []
-        bt = lora_kernels.decode_block_t("pallas")
+        bt, shrink_bt = lora_kernels.decode_block_t("pallas"), lora_kernels.decode_block_t("pallas", "shrink")
         for k in range(k_sets):
             m = np.array([((k * per + s // c) % self.per_class) * c + s % c for s in range(n)])
             out.append({
@@ -260,11 +260,12 @@ class LoraPool:
                 "ranks": jnp.asarray(self.ranks[m]),
                 "seg": jnp.asarray(np.arange(n + 1, dtype=np.int32) * (t // n)),
                 # the kernels' block schedule, built on the host as the engine builds it (the
-                # Pallas pair's at the engine's decode block_t: 1 with BLOCKS["mbgmv"]["decode"])
+                # Pallas pair's at the engine's decode block_t, each kernel's: 1 where
+                # BLOCKS["mbgmv"] has it)
                 "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
                 "shrink_schedule": tuple(map(jnp.asarray, lora_kernels.shrink_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, bt,
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, shrink_bt,
                     max_rank=self.max_rank))),
                 "fused_schedule": tuple(map(jnp.asarray, lora_kernels.fused_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
@@ -316,7 +317,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     sets = pool.sets(t, n, k_sets, seed)
     interp = opts["interpret"]
     kw = dict(max_rank=rmax, fin=fin, fout=fout)
-    block_t = lora_kernels.decode_block_t("pallas")  # the Pallas pair's, as pool.sets built its schedules
+    # the Pallas pair's, as pool.sets built its schedules
+    block_t, shrink_bt = lora_kernels.decode_block_t("pallas"), lora_kernels.decode_block_t("pallas", "shrink")
 
     def args(s):
         return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
@@ -324,7 +326,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
         return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["pallas_schedule"],
-                          shrink_schedule=s["shrink_schedule"], block_t=block_t, **kw)
+                          shrink_schedule=s["shrink_schedule"], block_t=block_t, shrink_block_t=shrink_bt, **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
@@ -649,7 +651,8 @@ def main() -> None:
               "triton_block": dict(triton_lora.BLOCKS),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
-              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas")),
+              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas"),
+                                 shrink_block_t=lora_kernels.decode_block_t("pallas", "shrink")),
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():

@@ -17,9 +17,10 @@ base tokens and empty slots cost at most one trivial pass per program. A slot's 
 by each of its blocks; concurrent programs work on consecutive blocks, i.e. on the same slot, so
 it comes from HBM once and from L2 after. A decode step has one block per slot; the engine may pass
 a larger block_t for prefill to cut the re-reads (MBGMM). block_t 1 (BLOCKS["mbgmv"], S-LoRA's
-MBGMV; off until timed) gives each decode token its own block, and the products become a multiply
-and a sum instead of dots of 16 rows (Triton's smallest), so x, y and the accumulators are one
-row: fewer registers a program, more programs an SM.
+MBGMV; the decode shrink's by default) gives each decode token its own block, and the products
+become a multiply and a sum instead of dots of 16 rows (Triton's smallest), so x, y and the
+accumulators are one row: fewer registers a program, more programs an SM. The shrink and the
+expand of one step may take different block_t: xa is indexed by token, not by block.
 
 Padding is bounded by one tile: a block computes at most block_t - 1 dead token rows, and a slot of
 rank r computes ceil(r / rank_tile) rank tiles, whatever the batch's max rank (shrink: rank tiles at
@@ -74,7 +75,11 @@ from jax.experimental.pallas import triton as plgpu
 # split_k > 1: shrink's `in` columns are cut into split_k ranges, each its own program, whose
 # partial products meet in xa by atomic adds (more programs in flight for a decode step's few
 # tokens per adapter); 1: one program walks all the columns and stores. It applies to calls of at
-# most split_k_max_tokens tokens (decode steps); longer ones have programs enough and keep 1.
+# most split_k_max_tokens tokens; longer ones have programs enough and keep 1. 1024 since
+# session 15 (was 256: decode steps only): a prefill step of 2 prompts x 256 tokens on 2 adapters
+# (H200, bench/results/20261130-c9310a1/) takes 2.24 ms of LoRA kernels instead of 2.65 (shrinks
+# 1.60 -> 1.03, expands 1.05 -> 1.21: they add 4 planes), device step 17.07 -> 16.72 ms; split_k 8
+# there: 2.69, 16: 3.41. Longer prefill calls were not timed with it.
 # split_k=4 from the H200 sweep (bench/results/20261129-46a45b4/sweep.jsonl, qkvo, decode):
 # 64 tokens x 32 adapters 55.0 -> 43.6 us, 256 x 32 54.0 -> 31.7, 256 x 256 127.2 -> 122.9
 # (split_k=16 was slower than 4 in all three). Prefill-sized calls were not timed with it.
@@ -86,7 +91,7 @@ from jax.experimental.pallas import triton as plgpu
 # 64 x 32 41.5 -> 38.9, 256 x 32 48.6 -> 35.6, 256 x 256 119.8 -> 115.5. static_split lost at
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
-    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=1024,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
                    max_programs=256, early_loads=True, split_partials=True),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
@@ -103,13 +108,19 @@ BLOCKS = {
     # flight; the split kernels' 256 would leave S2's ~300 items a decode step looping twice).
     "fused": dict(decode=False, max_tokens=256, rank_tile=16, a_col_tile=256, b_col_tile=128, n_split=2,
                   max_programs=1024, num_warps=4, num_stages=2, prefetch_next=True),
-    # mbgmv (off; session 14, not yet timed on a GPU): the engine's Pallas decode steps in blocks of
-    # one token (decode_block_t). A block's products are then a multiply and a sum (S-LoRA's MBGMV)
-    # instead of Triton dots of 16 rows, of which a decode step's blocks fill ~1: x, y and the
-    # accumulators are one row each, so a program holds fewer registers and an SM more programs
-    # (the kernels are latency-bound per program: session 13's profiles). An adapter with several
-    # tokens in the step is read once per token (from L2 after the first).
-    "mbgmv": dict(decode=False),
+    # mbgmv: the engine's Pallas decode steps in blocks of one token (decode_block_t), per kernel.
+    # A block's products are then a multiply and a sum (S-LoRA's MBGMV) instead of Triton dots of
+    # 16 rows, of which a decode step's blocks fill ~1: x and the accumulators are one row each, so
+    # a program holds fewer registers and an SM more programs (the kernels are latency-bound per
+    # program: session 13's profiles). An adapter with several tokens in the step is read once per
+    # token (from L2 after the first). col_tile: the shrink's column tile at block_t 1 (its own:
+    # the dot form's 256 stays for prefill). H200, session 15, S2's decode step (B 172 x 156
+    # adapters, bench/results/20261130-c9310a1/): the shrinks 2.52 -> 2.14 ms a step with the shrink
+    # at block_t 1 and col_tile 1024 (1.81 + 0.71 -> 1.50 + 0.64), 2.34 + 0.98 with col_tile 256;
+    # the expands at block_t 1 lose (0.72 -> 0.82 ms each, early_loads or one warp 0.77-0.85), so
+    # the expand keeps its dots. Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way:
+    # shrink 9.6 -> 10.2 us.
+    "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -511,11 +522,11 @@ def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_ra
                           max_rank)
 
 
-def decode_block_t(backend: str) -> int:
-    """The block_t the engine gives a decode step's LoRA kernels under `backend`: 1 (MBGMV) with
-    BLOCKS["mbgmv"]["decode"] on, for the Pallas shrink and expand (not the Triton twins, nor the
-    fused kernel, whose products are dots); else BLOCK_T."""
-    if BLOCKS["mbgmv"]["decode"] and backend == "pallas" and not BLOCKS["fused"]["decode"]:
+def decode_block_t(backend: str, kernel: str = "expand") -> int:
+    """The block_t the engine gives a decode step's `kernel` ("shrink" or "expand") under
+    `backend`: 1 (MBGMV) where BLOCKS["mbgmv"][kernel] is on, for the Pallas shrink and expand only
+    (the Triton twins' and the fused kernel's products are dots of 16 rows); else BLOCK_T."""
+    if BLOCKS["mbgmv"][kernel] and backend == "pallas" and not BLOCKS["fused"]["decode"]:
         return 1
     return BLOCK_T
 
@@ -584,7 +595,8 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     split_k > 1 both are padded to whole tiles). The schedule covers the slots live in any module."""
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
-    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, blocks["col_tile"])
+    cap = BLOCKS["mbgmv"]["col_tile"] if block_t == 1 else blocks["col_tile"]
+    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, in_features, cap)
     grouped = a_rows.ndim == 3
     a_rows, ranks = (a_rows, ranks) if grouped else (a_rows[None], ranks[None])
     n_modules, slots = ranks.shape
@@ -764,23 +776,29 @@ def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, 
                             fin=fin, fouts=(fout,), **kernel_options)[0]
 
 
-def _shrink_options(kernel_options: dict, shrink_schedule) -> dict:
+def _shrink_options(kernel_options: dict, shrink_schedule, shrink_block_t) -> dict:
     """The shrink's options: its own schedule if given; else the expand's (block_schedule) where
-    the shrink takes that one too (compact_tiles off); else None (built in the graph)."""
+    the shrink takes that one too (compact_tiles off, same block_t); else None (built in the
+    graph). Its own block_t if given."""
     schedule = kernel_options.get("schedule")
-    if shrink_schedule is None and schedule is not None and BLOCKS["shrink"].get("compact_tiles", False):
+    own_bt = shrink_block_t is not None and shrink_block_t != kernel_options.get("block_t", BLOCK_T)
+    if shrink_schedule is None and schedule is not None and (BLOCKS["shrink"].get("compact_tiles", False) or own_bt):
         schedule = None
-    return {**kernel_options, "schedule": schedule if shrink_schedule is None else shrink_schedule}
+    out = {**kernel_options, "schedule": schedule if shrink_schedule is None else shrink_schedule}
+    if shrink_block_t is not None:
+        out["block_t"] = shrink_block_t
+    return out
 
 
 def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fouts,
-                     shrink_schedule=None, **kernel_options):
+                     shrink_schedule=None, shrink_block_t: int | None = None, **kernel_options):
     """lora_apply for G modules that read the same x: one shrink launch (lora_shrink_group), then
     one expand per module into its own y. ys, a_rows, b_rows, ranks, fouts: one per module.
     schedule= (block_schedule) goes to the expands, shrink_schedule= (shrink_schedule) to the
-    shrink; either None: built in the graph."""
+    shrink; either None: built in the graph. shrink_block_t: the shrink's block_t where it
+    differs from the expands' (block_t=), e.g. 1 (MBGMV) for a decode step's shrink."""
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
-                           **_shrink_options(kernel_options, shrink_schedule))
+                           **_shrink_options(kernel_options, shrink_schedule, shrink_block_t))
     cols = xa.shape[-1] // len(ys)
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
                              **kernel_options)

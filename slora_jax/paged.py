@@ -53,9 +53,11 @@ class LoraInputs:
     group_qkv: bool = flax.struct.field(pytree_node=False, default=False)  # see pool_lora
     qkv_a_rows: jax.Array | None = None
     qkv_ranks: jax.Array | None = None
-    # Tokens per kernel block (the kernels' dot M side; the schedules are built with it): 16 for
-    # decode steps, EngineOptions.prefill_lora_block_t for prefill steps.
+    # Tokens per kernel block (the kernels' dot M side; the schedules are built with it): the
+    # decode_block_t of decode steps, EngineOptions.prefill_lora_block_t for prefill steps.
+    # shrink_block_t: the Pallas shrink's, where it differs (1: MBGMV); None: block_t.
     block_t: int = flax.struct.field(pytree_node=False, default=LORA_BLOCK_T)
+    shrink_block_t: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 @flax.struct.dataclass
@@ -317,7 +319,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
             seen = shrunk[layer] = (x, group, lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
-                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=lora.block_t))
+                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule,
+                block_t=lora.shrink_block_t or lora.block_t))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,

@@ -1237,21 +1237,29 @@ def test_split_partials_changes_no_output(paths, ref, monkeypatch):
     assert 4 in planes, planes
 
 
-def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch):
-    """BLOCKS["mbgmv"]["decode"]: the Pallas decode steps' LoRA kernels in blocks of one token
-    (multiply-and-sum products): the reference's tokens, and block_t 1 really reaches the decode
-    steps' kernels (prefill steps keep prefill_lora_block_t)."""
+@pytest.mark.parametrize("kernels", [("shrink",), ("shrink", "expand")])
+def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
+    """BLOCKS["mbgmv"]: the Pallas decode steps' LoRA kernels in blocks of one token
+    (multiply-and-sum products), the shrink alone (the default) or both: the reference's tokens,
+    and block_t 1 really reaches the decode steps' kernels named, and only those (prefill steps
+    keep prefill_lora_block_t)."""
     from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "decode": True})
-    seen = []
-    real = paged.lora_expand
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"],
+                                                       "shrink": "shrink" in kernels, "expand": "expand" in kernels})
+    seen = {"shrink": [], "expand": []}
 
-    def spy(*args, **kw):
-        seen.append((args[0].shape[0], kw["block_t"]))
-        return real(*args, **kw)
-    monkeypatch.setattr(paged, "lora_expand", spy)
+    def spy(name, real):
+        def wrapped(*args, **kw):
+            seen[name].append(kw["block_t"])
+            return real(*args, **kw)
+        return wrapped
+    monkeypatch.setattr(paged, "lora_expand", spy("expand", paged.lora_expand))
+    monkeypatch.setattr(paged, "lora_shrink_group", spy("shrink", paged.lora_shrink_group))
     engine = generates_reference_tokens(paths, ref)
-    assert {bt for _, bt in seen} == {1, engine.engine.opts.prefill_lora_block_t}, seen
+    prefill_bt = engine.engine.opts.prefill_lora_block_t
+    for name in ("shrink", "expand"):
+        decode_bt = 1 if name in kernels else lora_kernels.BLOCK_T
+        assert set(seen[name]) == {decode_bt, prefill_bt}, (name, seen[name])
 
 
 def test_adapter_status_for_routers(paths):

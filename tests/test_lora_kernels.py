@@ -238,10 +238,12 @@ class TestLoraKernels:
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", list(CASES))
     def test_mbgmv_block_t_1(self, name, dtype):
-        """block_t 1 (MBGMV: the engine's decode blocks with BLOCKS["mbgmv"]["decode"]): one token
+        """block_t 1 (MBGMV: the engine's decode blocks where BLOCKS["mbgmv"] has them): one token
         a block, products by multiply and sum. The shrink matches the reference (exact zeros past
         each rank and on base tokens); apply adds the dense product, base rows bit for bit y; with
-        the schedules built on the host, as the engine passes them, the same."""
+        the schedules built on the host, as the engine passes them, the same. The engine's default
+        decode pair, the shrink at block_t 1 and the expands at BLOCK_T (each with its own
+        schedule, or none), adds the same product too."""
         case = CASES[name]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("mbgmv", name, dtype))
         args = (arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"])
@@ -257,6 +259,13 @@ class TestLoraKernels:
         hosted = lora.lora_apply(y, *delta_args(arr), schedule=lora.block_schedule(ranks, seg, TOKENS, 1),
                                  shrink_schedule=lora.shrink_schedule(ranks, seg, TOKENS, 1, max_rank=MAX_RANK), **kw)
         np.testing.assert_array_equal(np.asarray(hosted), np.asarray(got))
+        kw.update(block_t=lora.BLOCK_T, shrink_block_t=1)
+        mixed = lora.lora_apply(y, *delta_args(arr), **kw)
+        assert_applied(mixed, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
+        mixed_hosted = lora.lora_apply(
+            y, *delta_args(arr), schedule=lora.block_schedule(ranks, seg, TOKENS, lora.BLOCK_T),
+            shrink_schedule=lora.shrink_schedule(ranks, seg, TOKENS, 1, max_rank=MAX_RANK), **kw)
+        np.testing.assert_array_equal(np.asarray(mixed_hosted), np.asarray(mixed))
 
     def test_few_programs_small_max_rank(self):
         """Fewer programs than blocks, so each walks several (the persistent loop); and a max rank
@@ -580,15 +589,16 @@ def test_blocks_from_environment():
 
 
 def test_decode_block_t(monkeypatch):
-    """The engine's decode block_t: BLOCK_T by default; 1 (MBGMV) with BLOCKS["mbgmv"]["decode"] for
-    the Pallas pair only (the Triton twins' and the fused kernel's products are dots of 16 rows),
-    which only the Pallas shrink and expand accept."""
-    assert lora.decode_block_t("pallas") == lora.BLOCK_T
-    monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "decode": True})
-    assert lora.decode_block_t("pallas") == 1
-    assert lora.decode_block_t("triton") == lora.BLOCK_T
+    """The engine's decode block_t, per kernel: 1 (MBGMV) where BLOCKS["mbgmv"] has it (the shrink's
+    by default), for the Pallas pair only (the Triton twins' and the fused kernel's products are
+    dots of 16 rows), which only the Pallas shrink and expand accept; else BLOCK_T."""
+    monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "shrink": True, "expand": False})
+    assert (lora.decode_block_t("pallas", "shrink"), lora.decode_block_t("pallas")) == (1, lora.BLOCK_T)
+    monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "shrink": False, "expand": True})
+    assert (lora.decode_block_t("pallas", "shrink"), lora.decode_block_t("pallas", "expand")) == (lora.BLOCK_T, 1)
+    assert lora.decode_block_t("triton", "expand") == lora.BLOCK_T
     monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True})
-    assert lora.decode_block_t("pallas") == lora.BLOCK_T
+    assert lora.decode_block_t("pallas", "expand") == lora.BLOCK_T
     lora._check_block_t(1, mbgmv=True)
     for bad, mbgmv in ((1, False), (8, True), (24, True)):
         with pytest.raises(ValueError, match="block_t"):
