@@ -879,7 +879,9 @@ def test_compile_per_layer_matches_reference_and_compiles_one_layer(paths, ref, 
     engine = make_llm(paths, page_size=16, pool_pages=BIG, compile_per_layer=True, **backends)
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     shapes = len(engine.engine._shapes)
-    assert 2 <= shapes and paged.layer_step._cache_size() - before == shapes  # not x num_hidden_layers
+    # Not x num_hidden_layers. At most once a shape: a test before this one in the same process
+    # (pytest-xdist's workers on the GPU) may have compiled some of these shapes already.
+    assert 2 <= shapes and 1 <= paged.layer_step._cache_size() - before <= shapes
     assert_drained(engine)
 
 
