@@ -75,11 +75,14 @@ from jax.experimental.pallas import triton as plgpu
 # split_k > 1: shrink's `in` columns are cut into split_k ranges, each its own program, whose
 # partial products meet in xa by atomic adds (more programs in flight for a decode step's few
 # tokens per adapter); 1: one program walks all the columns and stores. It applies to calls of at
-# most split_k_max_tokens tokens; longer ones have programs enough and keep 1. 1024 since
-# session 15 (was 256: decode steps only): a prefill step of 2 prompts x 256 tokens on 2 adapters
-# (H200, bench/results/20261130-c9310a1/) takes 2.24 ms of LoRA kernels instead of 2.65 (shrinks
-# 1.60 -> 1.03, expands 1.05 -> 1.21: they add 4 planes), device step 17.07 -> 16.72 ms; split_k 8
-# there: 2.69, 16: 3.41. Longer prefill calls were not timed with it.
+# most split_k_max_tokens tokens (decode steps); longer ones have programs enough and keep 1.
+# Prefill with split-K (H200, session 15, bench/results/20261130-c9310a1/): a profiled prefill step
+# of 2 prompts x 256 tokens on 2 adapters takes 2.24 ms of LoRA kernels with split_k_max_tokens
+# 1024 instead of 2.65 (shrinks 1.60 -> 1.03, expands 1.05 -> 1.21: they add 4 planes), device
+# step 17.07 -> 16.72 ms (split_k 8 there: 2.69, 16: 3.41). But in S2's serving run with it
+# (bench/results/20261130-4ce1a0c/) the kernels' prefill steps took 24.6 ms against 22.3 for the
+# one-hot path in the same run (session 14, without it: 22.1 against 22.7), so it stays at 256
+# until a same-run pair says otherwise.
 # split_k=4 from the H200 sweep (bench/results/20261129-46a45b4/sweep.jsonl, qkvo, decode):
 # 64 tokens x 32 adapters 55.0 -> 43.6 us, 256 x 32 54.0 -> 31.7, 256 x 256 127.2 -> 122.9
 # (split_k=16 was slower than 4 in all three). Prefill-sized calls were not timed with it.
@@ -91,7 +94,7 @@ from jax.experimental.pallas import triton as plgpu
 # 64 x 32 41.5 -> 38.9, 256 x 32 48.6 -> 35.6, 256 x 256 119.8 -> 115.5. static_split lost at
 # 256 x 32 and 256 x 256 (45.1, 136.0) and stays off; so did shrink col_tile 512 at 256 x 256.
 BLOCKS = {
-    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=1024,
+    "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
                    max_programs=256, early_loads=True, split_partials=True),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
@@ -118,8 +121,10 @@ BLOCKS = {
     # adapters, bench/results/20261130-c9310a1/): the shrinks 2.52 -> 2.14 ms a step with the shrink
     # at block_t 1 and col_tile 1024 (1.81 + 0.71 -> 1.50 + 0.64), 2.34 + 0.98 with col_tile 256;
     # the expands at block_t 1 lose (0.72 -> 0.82 ms each, early_loads or one warp 0.77-0.85), so
-    # the expand keeps its dots. Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way:
-    # shrink 9.6 -> 10.2 us.
+    # the expand keeps its dots. As the default (shrink at 1, expands at 16, bench/results/
+    # 20261130-4ce1a0c/): the step's LoRA kernels 5.43 -> 5.03 ms, device step 23.93 -> 23.56.
+    # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.2 us,
+    # shrink + expand 19.1 -> 20.0 us of device time.
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
