@@ -73,7 +73,8 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
         ranks = jnp.full((adapters,), max(1, max_rank // 4), jnp.int32)
         seg = jnp.asarray(np.linspace(0, tokens, adapters + 1).astype(np.int32))
         # each kernel's decode block_t: 1 where BLOCKS["mbgmv"] has it
-        block_t, shrink_bt = lora.decode_block_t("pallas", "expand"), lora.decode_block_t("pallas", "shrink")
+        block_t = lora.decode_block_t("pallas", "expand")
+        shrink_bt = lora.decode_block_t("pallas", "shrink", width, features)
         sched = tuple(map(jnp.asarray, lora.shrink_schedule(np.asarray(ranks), np.asarray(seg), tokens, shrink_bt,
                                                             max_rank=max_rank)))
         cpu = jax.devices("cpu")[0]

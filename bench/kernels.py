@@ -250,7 +250,8 @@ class LoraPool:
         c = len(self.cycle)
         per = -(-n // c)
         out = []
-        bt, shrink_bt = lora_kernels.decode_block_t("pallas"), lora_kernels.decode_block_t("pallas", "shrink")
+        bt = lora_kernels.decode_block_t("pallas")
+        shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", self.width, self.fin)
         for k in range(k_sets):
             m = np.array([((k * per + s // c) % self.per_class) * c + s % c for s in range(n)])
             out.append({
@@ -318,7 +319,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     interp = opts["interpret"]
     kw = dict(max_rank=rmax, fin=fin, fout=fout)
     # the Pallas pair's, as pool.sets built its schedules
-    block_t, shrink_bt = lora_kernels.decode_block_t("pallas"), lora_kernels.decode_block_t("pallas", "shrink")
+    block_t = lora_kernels.decode_block_t("pallas")
+    shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", pool.width, fin)
 
     def args(s):
         return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
@@ -652,7 +654,8 @@ def main() -> None:
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
               "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas"),
-                                 shrink_block_t=lora_kernels.decode_block_t("pallas", "shrink")),
+                                 shrink_block_t=lora_kernels.decode_block_t("pallas", "shrink", o["width"],
+                                                                            o["hidden"])),
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():

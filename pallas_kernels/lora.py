@@ -527,12 +527,18 @@ def shrink_schedule(ranks, seg_starts, t: int, block_t: int = BLOCK_T, *, max_ra
                           max_rank)
 
 
-def decode_block_t(backend: str, kernel: str = "expand") -> int:
+def decode_block_t(backend: str, kernel: str = "expand", width: int | None = None,
+                   features: int | None = None) -> int:
     """The block_t the engine gives a decode step's `kernel` ("shrink" or "expand") under
     `backend`: 1 (MBGMV) where BLOCKS["mbgmv"][kernel] is on, for the Pallas shrink and expand only
-    (the Triton twins' and the fused kernel's products are dots of 16 rows); else BLOCK_T."""
+    (the Triton twins' and the fused kernel's products are dots of 16 rows); else BLOCK_T. For the
+    shrink of a module of `features` inputs on a pool of row width `width` (both given): 1 only
+    where its column tile reaches BLOCKS["mbgmv"]["col_tile"] (at 256, block_t 1 loses: llama-7b's
+    down projection, in 11008 = 43 * 256, 15 -> 32 us at issue 4's point)."""
     if BLOCKS["mbgmv"][kernel] and backend == "pallas" and not BLOCKS["fused"]["decode"]:
-        return 1
+        cap = BLOCKS["mbgmv"]["col_tile"]
+        if kernel == "expand" or width is None or _col_tile(width, features, cap) >= cap:
+            return 1
     return BLOCK_T
 
 

@@ -765,17 +765,34 @@ class Engine:
         """LoraInputs of a step (live or null): q/k/v stacked for the grouped shrink, schedules."""
         group = self.opts.lora_group_qkv
         block_t = decode_block_t(backend) if decode else self.opts.prefill_lora_block_t
-        shrink_bt = decode_block_t(backend, "shrink") if decode else block_t
+        shrink_bt = {}
+        if decode:  # each shrink launch's (paged.pool_lora): q/k/v as one with group_qkv
+            for name in self._shrink_launches(ranks, group):
+                bt = decode_block_t(backend, "shrink", self.cfg.kv_size,
+                                    self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])
+                if bt != block_t:
+                    shrink_bt[name] = bt
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
                                 schedules=self._schedules(ranks, seg_starts, t, backend, group, block_t,
                                                           self.opts.max_lora_rank, shrink_bt),
-                                block_t=block_t, shrink_block_t=shrink_bt if shrink_bt != block_t else None)
+                                block_t=block_t, shrink_block_t=tuple(sorted(shrink_bt.items())))
+
+    @staticmethod
+    def _shrink_launches(ranks: dict, group_qkv: bool) -> dict:
+        """The Pallas shrink launches of a step and their ranks: one per module, q/k/v as one
+        ("qkv", each slot's largest rank of them) with group_qkv (paged.pool_lora)."""
+        qkv = [ranks[m] for m in paged.QKV if m in ranks]
+        if group_qkv and len(qkv) > 1:
+            launches = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
+            launches["qkv"] = np.maximum.reduce(qkv)
+            return launches
+        return dict(ranks)
 
     @staticmethod
     def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool,
-                   block_t: int, max_rank: int, shrink_block_t: int | None = None) -> dict | None:
+                   block_t: int, max_rank: int, shrink_block_t: dict | None = None) -> dict | None:
         """The kernels' schedules, built here on the host (one per distinct set of slots or ranks)
         instead of by small XLA ops at every kernel call; None for the one-hot path, which has
         none. schedules[module]: the module's block schedule (expand; the Triton kernels' shrink
@@ -783,7 +800,8 @@ class Engine:
         (shrink_schedule: with compact_tiles it depends on the ranks), and with group_qkv
         schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three);
         where the fused kernel applies (pallas_kernels.lora.fused_applies), the same under "fused:"
-        for its launches. shrink_block_t: the Pallas shrink's block_t (None: block_t)."""
+        for its launches. shrink_block_t: {launch: block_t} of the Pallas shrink launches whose
+        block_t differs (1: MBGMV)."""
         if backend not in ("pallas", "triton"):
             return None
         out, seen = {}, {}
@@ -798,16 +816,12 @@ class Engine:
             out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
         if backend == "pallas":
             # the launches that read A: one per module, q/k/v as one with group_qkv (paged.pool_lora)
-            launches = dict(ranks)
-            qkv = [ranks[m] for m in paged.QKV if m in ranks]
-            if group_qkv and len(qkv) > 1:
-                launches = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
-                launches["qkv"] = np.maximum.reduce(qkv)
             kind, build = ("fused", fused_schedule) if fused_applies(t) else ("shrink", shrink_schedule)
-            bt = block_t if kind == "fused" or shrink_block_t is None else shrink_block_t
-            for name, rk in launches.items():
+            for name, rk in Engine._shrink_launches(ranks, group_qkv).items():
+                bt = block_t if kind == "fused" else (shrink_block_t or {}).get(name, block_t)
                 rk = np.minimum(rk, max_rank).astype(np.int32)
-                out[f"{kind}:{name}"] = once(kind, rk, lambda: build(rk, seg_starts, t, bt, max_rank=max_rank))
+                out[f"{kind}:{name}"] = once((kind, bt), rk,
+                                             lambda: build(rk, seg_starts, t, bt, max_rank=max_rank))
         return out
 
     def _empty_lora_arrays(self, module: str, sa: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -55,9 +55,10 @@ class LoraInputs:
     qkv_ranks: jax.Array | None = None
     # Tokens per kernel block (the kernels' dot M side; the schedules are built with it): the
     # decode_block_t of decode steps, EngineOptions.prefill_lora_block_t for prefill steps.
-    # shrink_block_t: the Pallas shrink's, where it differs (1: MBGMV); None: block_t.
+    # shrink_block_t: ((launch, block_t), ...) for the Pallas shrink launches ("qkv" for the
+    # grouped q/k/v one, else the module) whose block_t differs (1: MBGMV); the others: block_t.
     block_t: int = flax.struct.field(pytree_node=False, default=LORA_BLOCK_T)
-    shrink_block_t: int | None = flax.struct.field(pytree_node=False, default=None)
+    shrink_block_t: tuple = flax.struct.field(pytree_node=False, default=())
 
 
 @flax.struct.dataclass
@@ -311,8 +312,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             group = qkv_group(lora.rows)
         seen = shrunk.get(layer)
         if seen is None or seen[0] is not x or seen[1] != group:
-            group_schedule = lora.schedules.get("shrink:" + ("qkv" if len(group) > 1 else module)) \
-                if lora.schedules else None
+            launch = "qkv" if len(group) > 1 else module
+            group_schedule = lora.schedules.get("shrink:" + launch) if lora.schedules else None
             if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
                 a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
             else:
@@ -320,7 +321,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             seen = shrunk[layer] = (x, group, lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
                 max_rank=lora.max_rank, in_features=fin, schedule=group_schedule,
-                block_t=lora.shrink_block_t or lora.block_t))
+                block_t=dict(lora.shrink_block_t).get(launch, lora.block_t)))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,

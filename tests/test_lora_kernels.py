@@ -597,6 +597,13 @@ def test_decode_block_t(monkeypatch):
     monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "shrink": False, "expand": True})
     assert (lora.decode_block_t("pallas", "shrink"), lora.decode_block_t("pallas", "expand")) == (lora.BLOCK_T, 1)
     assert lora.decode_block_t("triton", "expand") == lora.BLOCK_T
+    # the shrink of a module: block_t 1 only where its column tile reaches the MBGMV cap (1024):
+    # llama-7b's q/k/v/o (in 4096, rows of 4096) and llama-3-8b's (rows of 1024), not down (in 11008)
+    monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "shrink": True, "col_tile": 1024})
+    assert lora.decode_block_t("pallas", "shrink", 4096, 4096) == 1
+    assert lora.decode_block_t("pallas", "shrink", 1024, 4096) == 1
+    assert lora.decode_block_t("pallas", "shrink", 4096, 11008) == lora.BLOCK_T
+    assert lora.decode_block_t("pallas", "shrink", 512, 4096) == lora.BLOCK_T
     monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True})
     assert lora.decode_block_t("pallas", "expand") == lora.BLOCK_T
     lora._check_block_t(1, mbgmv=True)
