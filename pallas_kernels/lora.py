@@ -80,7 +80,7 @@ from jax.experimental.pallas import triton as plgpu
 # of 2 prompts x 256 tokens on 2 adapters takes 2.24 ms of LoRA kernels with split_k_max_tokens
 # 1024 instead of 2.65 (shrinks 1.60 -> 1.03, expands 1.05 -> 1.21: they add 4 planes), device
 # step 17.07 -> 16.72 ms (split_k 8 there: 2.69, 16: 3.41). But in S2's serving run with it
-# (bench/results/20261130-4ce1a0c/) the kernels' prefill steps took 24.6 ms against 22.3 for the
+# (bench/results/20261130-7fa70de/) the kernels' prefill steps took 24.6 ms against 22.3 for the
 # one-hot path in the same run (session 14, without it: 22.1 against 22.7), so it stays at 256
 # until a same-run pair says otherwise.
 # split_k=4 from the H200 sweep (bench/results/20261129-46a45b4/sweep.jsonl, qkvo, decode):
@@ -122,7 +122,7 @@ BLOCKS = {
     # at block_t 1 and col_tile 1024 (1.81 + 0.71 -> 1.50 + 0.64), 2.34 + 0.98 with col_tile 256;
     # the expands at block_t 1 lose (0.72 -> 0.82 ms each, early_loads or one warp 0.77-0.85), so
     # the expand keeps its dots. As the default (shrink at 1, expands at 16, bench/results/
-    # 20261130-4ce1a0c/): the step's LoRA kernels 5.43 -> 5.03 ms, device step 23.93 -> 23.56.
+    # 20261130-7fa70de/): the step's LoRA kernels 5.43 -> 5.03 ms, device step 23.93 -> 23.56.
     # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.2 us,
     # shrink + expand 19.1 -> 20.0 us of device time.
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
