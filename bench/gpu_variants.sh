@@ -6,6 +6,7 @@
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s2     # issue 5's scheduler runs + issue 7's S2 ratio
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s1     # issue 7: S1 n=2000 offered-rate sweep
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh host   # issue 7: host time in the unified step
+#   SLORA_COMMIT=<sha> BLOCKS_B='<json>' bash bench/gpu_variants.sh blocks  # LoRA kernel settings, same run
 #
 # Results: $RESULTS_DIR, else bench/results/<date>-<commit>/ (the folder gpu_suite.sh uses), copied
 # to $OUT after the call. BUDGET_S (default 540): no variant starts that would not end in time.
@@ -18,10 +19,10 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|blocks}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
-RUN=(python3 bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
+RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
      --budget-s "${BUDGET_S:-540}" ${RUN_ARGS:-})
 case $group in
   s2)
@@ -152,7 +153,20 @@ case $group in
       --variant "S1-unified-n2000-R35:--rate 35" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
     ;;
-  *) echo "unknown group $group (s1, s2, s4, prefetch, host)"; exit 2 ;;
+  blocks)
+    # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
+    # then BLOCKS_B (JSON merged into pallas_kernels.lora.BLOCKS for that variant alone, run.py
+    # --lora-blocks; its engine recompiles every bucket first, ~90 s with 8 warm-up threads).
+    # Session 15's case: prefill split-K won in a profile and lost in a serving run of its own.
+    b=${BLOCKS_B:-'{"shrink":{"split_k_max_tokens":1024}}'}
+    short=(--warmup-s 5 --no-requests --rate 40)
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "S2-unified-n1000-R40:${short[*]}" \
+      --variant "S2-base-R40:--mode base ${short[*]}" \
+      --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'" \
+      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-blocks.log"
+    ;;
+  *) echo "unknown group $group (s1, s2, s4, prefetch, host, blocks)"; exit 2 ;;
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \

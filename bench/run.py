@@ -693,6 +693,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--warmup-workers", type=int, default=1,
                     help="threads that compile the step buckets before serving (Engine.warmup)")
+    ap.add_argument("--lora-blocks", default=None, metavar="JSON",
+                    help="LoRA kernel settings merged into pallas_kernels.lora.BLOCKS for this run, or for "
+                         "one --variant (its engine then recompiles its steps), e.g. "
+                         "'{\"shrink\":{\"split_k_max_tokens\":1024}}'")
     ap.add_argument("--variant", action="append", metavar="NAME:ARGS",
                     help="several traces on one loaded model, one after the other (see run_variants); "
                          "ARGS override the main arguments, e.g. 'fcfs:--cv 4 --engine admission_order=fcfs'")
@@ -718,11 +722,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     args._tmp = None
     args._argv_main = _strip_variant_args(argv)
+    blocks = args.lora_blocks or any("--lora-blocks" in v for v in args.variant or ())
+    if args.lora_blocks:  # before anything is traced (the kernels read BLOCKS then)
+        from pallas_kernels.lora import set_blocks
+        set_blocks(args.lora_blocks)
     try:
         return _main(args, argv)
     finally:
         if args._tmp:
             shutil.rmtree(args._tmp, ignore_errors=True)
+        if blocks:  # BLOCKS as at import again, and nothing traced under the run's settings kept
+            import jax
+            from pallas_kernels.lora import set_blocks
+            set_blocks()
+            jax.clear_caches()
 
 
 def _strip_variant_args(argv: list[str]) -> list[str]:
@@ -870,6 +883,8 @@ def run_variants(args, argv: list[str]) -> dict:
     t = time.perf_counter()
     shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()),
                         workers=args.warmup_workers)
+    from pallas_kernels import lora as lora_kernels
+    llm._bench_blocks = json.loads(json.dumps(lora_kernels.BLOCKS))  # what that warm-up traced under
     compile_s = time.perf_counter() - t
     print(f"[variants] warm-up compiled {shapes} step shapes in {compile_s:.0f} s", flush=True)
     for k, (name, v) in enumerate(todo):
@@ -911,9 +926,17 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
     import jax
     from slora_jax.adapter_store import host_cache_bytes
     from slora_jax.engine import Engine, EngineOptions
+    from pallas_kernels import lora as lora_kernels
     opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
     opts = {**opts, "pool_pages": num_pages}
-    if k > 0 or opts != {**opts0, "pool_pages": num_pages}:
+    # --lora-blocks of this variant (the main one's unless it gives its own): a change drops every
+    # traced step, so this variant's engine compiles its buckets under the new settings
+    blocks = json.loads(json.dumps(lora_kernels.set_blocks(v.lora_blocks)))
+    new_blocks = blocks != getattr(llm, "_bench_blocks", blocks)
+    llm._bench_blocks = blocks
+    if new_blocks:
+        jax.clear_caches()
+    if k > 0 or new_blocks or opts != {**opts0, "pool_pages": num_pages}:
         old, llm.engine = llm.engine, None
         if old is not None:  # None: the variant before failed while building it
             for a in jax.tree.leaves(old.kv):
@@ -927,7 +950,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         llm.store.resize_host_cache(llm.options.host_cache_size, host_cache_bytes(llm.options.host_cache_gb))
         llm.store.set_stage_workers(llm.options.stage_workers)
     variant_warmup = None
-    if opts != {**opts0, "pool_pages": num_pages}:
+    if new_blocks or opts != {**opts0, "pool_pages": num_pages}:
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile
         # them before serving; the ones the first warm-up compiled are in-memory cache hits.
         t = time.perf_counter()

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import http.server
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -236,6 +237,42 @@ def test_run_py_variants_share_one_model_and_resume(tmp_path):
     mtime = (tmp_path / "uni.json").stat().st_mtime
     run.main(args[:-2])  # all done: nothing runs again
     assert (tmp_path / "uni.json").stat().st_mtime == mtime
+
+
+def test_run_py_variants_with_their_own_lora_blocks(tmp_path, monkeypatch):
+    """--lora-blocks per variant, side by side in one process: each JSON records the BLOCKS its
+    steps were traced under, a variant whose settings differ from the one before recompiles its
+    buckets in its own warm-up (the kernels traced again under its settings), and BLOCKS is as
+    at import afterwards. A
+    setting BLOCKS does not have fails that variant alone."""
+    from pallas_kernels import lora as lora_kernels
+    before = json.loads(json.dumps(lora_kernels.BLOCKS))
+    split = {"shrink": {"split_k_max_tokens": 1024}}
+    traced = []  # split_k_max_tokens each time a shrink kernel body is traced
+    real = lora_kernels._shrink_kernel
+
+    def spy(*refs, **kw):
+        traced.append(lora_kernels.BLOCKS["shrink"]["split_k_max_tokens"])
+        return real(*refs, **kw)
+    monkeypatch.setattr(lora_kernels, "_shrink_kernel", spy)
+    args = ["--workload", "S1-cpu", "--duration-s", "1", "--warmup-s", "0", "--no-requests",
+            "--engine", "lora_backend=pallas", "--out-dir", str(tmp_path),
+            "--variant", "a:", "--variant", f"b:--lora-blocks {shlex.quote(json.dumps(split))}",
+            "--variant", "c:", "--variant", """bad:--lora-blocks '{"shrink":{"no_such":1}}'"""]
+    run.main(args)
+    a, b, c = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "abc")
+    assert "no_such" in (tmp_path / "bad.failed").read_text()
+    assert [r["lora_blocks"]["shrink"]["split_k_max_tokens"] for r in (a, b, c)] == \
+        [before["shrink"]["split_k_max_tokens"], 1024, before["shrink"]["split_k_max_tokens"]]
+    assert a["variant_warmup"] is None and b["variant_warmup"] and c["variant_warmup"]
+    for r in (a, b, c):
+        assert r["metrics"]["completed"] == r["metrics"]["num_requests"] > 0
+    for r in (b, c):  # their own warm-ups compiled every bucket under their settings
+        assert r["variant_warmup"]["shapes"] == a["warmup_shapes"]
+    # the kernels were traced again under b's settings, then under the defaults for c
+    default = before["shrink"]["split_k_max_tokens"]
+    assert traced[0] == default and 1024 in traced and traced[-1] == default, traced
+    assert lora_kernels.BLOCKS == before
 
 
 def test_plots_from_run_jsons(s1_cpu, tmp_path):
