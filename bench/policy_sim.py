@@ -59,14 +59,40 @@ def run(mode: str, order: str = "fcfs", max_wait_s: float = 1.0, delay: float = 
               prefill_delay_factor=delay, mixed_steps=mixed)
     for name in sorted({a.adapter for a in arrivals if a.adapter}):
         sim.register(name, RANKS[int(name[1:]) % 4] // 4)
+    late = _count_late_misses(sim.sched)
     sim.run(arrivals)
+    m = sim.sched.metrics
     done = [r for r in sim.requests if r.out.finish_reason != "abort"]
     decode = [(b, d) for kind, b, d in sim.batches if kind == "decode"]
     return {"mode": mode, "order": order, "max_wait_s": max_wait_s, "prefill_delay_factor": delay, "mixed_steps": mixed,
             "req_s": round(len(done) / sim.makespan(), 2), "slo_attainment": round(sim.attainment(6.0), 3),
             "prefill_steps": sum(kind == "prefill" for kind, _, _ in sim.batches), "decode_steps": len(decode),
             "rows_per_decode": round(float(np.mean([b for b, _ in decode])), 1),
-            "adapters_per_decode": round(float(np.mean([d for _, d in decode])), 1)}
+            "adapters_per_decode": round(float(np.mean([d for _, d in decode])), 1),
+            "prefetch_hits": m.prefetch_hits.value, "prefetch_misses": m.prefetch_misses.value,
+            "misses_arrived_after_prefetch": late[0]}
+
+
+def _count_late_misses(sched) -> list[int]:
+    """[n]: admissions that loaded their adapter on the critical path (prefetch misses) for a
+    request that was not yet waiting when the step before ran its prefetch: no prediction made at
+    step boundaries could have brought those in (a copy started at the request's arrival could)."""
+    seen, late = {"waiting": set()}, [0]
+    prefetch, take = sched.prefetch, sched.take_adapter
+
+    def prefetch_hook(plan=None):
+        out = prefetch(plan)
+        seen["waiting"] = {id(r) for r in sched.waiting}
+        return out
+
+    def take_hook(req):
+        cold = req.adapter is not None and not sched.pool.is_resident(req.adapter.key)
+        ok = take(req)
+        if ok and cold and id(req) not in seen["waiting"]:
+            late[0] += 1
+        return ok
+    sched.prefetch, sched.take_adapter = prefetch_hook, take_hook
+    return late
 
 
 DEFAULT = ["base:fcfs:1:0", "unified:fcfs:1:0", "unified:affinity:6:0", "base:fcfs:1:4", "unified:fcfs:1:4",

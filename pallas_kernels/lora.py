@@ -96,9 +96,9 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=True, split_partials=True),
+                   max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256, early_loads=False),
+                   max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
     # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
     # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
@@ -136,6 +136,12 @@ BLOCKS = {
 # alone). In the engine's step (B 128 x 110 adapters) both together took the q/k/v shrink from
 # 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
 
+# splits_first (shrink) / cols_first (expand), off, session 15, not yet timed on a GPU: the launch
+# order (`_grid`). By default a decode step's programs side by side are different adapters at the
+# same split or column tile: each reads 256-2048 B stretches of many scattered pool rows. With
+# these on, one block's splits or column tiles launch one after another and read its rows'
+# consecutive stretches (an A or B row is 8 KB of one page at W 4096). kernel_sass at the S2
+# shape: shrink 56 -> 48 registers (9 -> 10 programs an SM), expand unchanged (78, 6).
 # prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
 # rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
 # compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
@@ -211,6 +217,21 @@ MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this l
 
 # ---------------------------------------------------------------------------------------------
 # Kernels.
+
+
+def _grid(grid: tuple, last_first: bool) -> tuple:
+    """The launch grid: (programs, ...) as given, or with its last axis moved to the front. The GPU
+    launches grid axis 0 fastest, so by default the programs running side by side walk different
+    blocks (in a decode step: different adapters) at the same column tile or split, each reading a
+    short stretch of many pool rows. Moved to the front, the column tiles (expand) or splits
+    (shrink) of one block launch one after another and read its rows' consecutive stretches."""
+    return (grid[-1], *grid[:-1]) if last_first else grid
+
+
+def _program_ids(ndim: int, last_first: bool) -> tuple:
+    """The program ids in the kernel's own axis order (programs, ...) under `_grid`'s layout."""
+    ids = [pl.program_id(i) for i in range(ndim)]
+    return (*ids[1:], ids[0]) if last_first else tuple(ids)
 
 
 def _blocks(p, n_programs, total_ref, sched_ref, body, early: bool = False):
@@ -291,18 +312,20 @@ def _shrink_step(tiles, acc):
 def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, _xa_in, xa_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
-                   hoist_rows=False, compact_tiles=False, early_loads=False, partials=False):
+                   hoist_rows=False, compact_tiles=False, early_loads=False, partials=False,
+                   splits_first=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
     # compact_tiles: the schedule lists (block, rank tile) items of live tiles only (row 3: the
     # tile, `_block_schedule` with rank_tile) and axis 1 walks modules: no program exists for a dead tile.
-    p, gk = pl.program_id(0), pl.program_id(1)
+    # splits_first: the grid is (split, program, module...) instead, so the programs launched one
+    # after another read consecutive column ranges of the same A rows (see `_grid`).
+    p, gk, q = _program_ids(3, splits_first)   # q: this program's share of the `in` columns
     if compact_tiles:
         g, k_fixed = gk, None
     else:
         g, k_fixed = jax.lax.div(gk, tiles), jax.lax.rem(gk, tiles)  # this program's rank tile of module g
-    q = pl.program_id(2)                       # q: this program's share of the `in` columns
     n_chunks = fin // col_tile
     per_split = -(-n_chunks // split_k)
 
@@ -368,9 +391,10 @@ def _when(cond):
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False,
-                   prefetch_next=False, early_loads=False):
+                   prefetch_next=False, early_loads=False, cols_first=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
-    p, o = pl.program_id(0), pl.program_id(1)  # o: this program's output column tile
+    # cols_first: the grid is (column tile, program) instead (see `_grid`).
+    p, o = _program_ids(2, cols_first)         # o: this program's output column tile
     col = o * col_tile
 
     def block(col_):
@@ -645,11 +669,13 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         slots=slots, tiles=tiles, module_cols=module_cols, max_rank=max_rank,
         static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
         hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact,
-        early_loads=blocks.get("early_loads", False), partials=partials)
+        early_loads=blocks.get("early_loads", False), partials=partials,
+        splits_first=blocks.get("splits_first", False))
     shape = (split_k, rows_out, n_modules * module_cols) if partials else (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
-        grid=(n_programs, n_modules if compact else n_modules * tiles, split_k),
+        grid=_grid((n_programs, n_modules if compact else n_modules * tiles, split_k),
+                   blocks.get("splits_first", False)),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},  # written only where live: the rest stays zero
         interpret=interpret,
@@ -672,10 +698,10 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
         y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False),
-        early_loads=blocks.get("early_loads", False))
+        early_loads=blocks.get("early_loads", False), cols_first=blocks.get("cols_first", False))
     return pl.pallas_call(
         kernel,
-        grid=(n_programs, out_features // col_tile),
+        grid=_grid((n_programs, out_features // col_tile), blocks.get("cols_first", False)),
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         input_output_aliases={6: 0},  # base tokens keep y
         interpret=interpret,

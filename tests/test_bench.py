@@ -571,6 +571,10 @@ def test_policy_sim_prices_adapters_and_prefill_delay():
     assert unified["adapters_per_decode"] > 0 and base["adapters_per_decode"] == 0
     assert unified["req_s"] < base["req_s"]  # every distinct adapter's rows cost decode time
     assert delayed["prefill_steps"] < 0.5 * unified["prefill_steps"]
+    # prefetch misses, and those whose request arrived after the last prefetch ran
+    assert base["prefetch_hits"] == base["prefetch_misses"] == 0
+    assert 0 < unified["misses_arrived_after_prefetch"] <= unified["prefetch_misses"]
+    assert unified["prefetch_hits"] + unified["prefetch_misses"] > 0
 
 
 def test_kernels_py_quick_with_device_time(tmp_path):

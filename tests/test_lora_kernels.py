@@ -455,11 +455,16 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     # the defaults before session 14: split-K partial sums meet in xa by atomic adds
     {"shrink": {"split_partials": False, "early_loads": False}},
     {"shrink": {"split_partials": False, "early_loads": False, "split_k": 3}},
+    # launch order: a block's splits (shrink) and column tiles (expand) side by side
+    {"shrink": {"splits_first": True}, "expand": {"cols_first": True}},
+    {"shrink": {"splits_first": True, "compact_tiles": False, "split_k": 3, "max_programs": 2},
+     "expand": {"cols_first": True, "max_programs": 2}},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
         "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
         "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1", "early_loads",
         "early_loads_full_schedule", "early_loads_many_trips", "early_loads_hoist_rows", "split_partials",
-        "split_partials_uneven", "split_partials_early_loads", "atomic_adds", "atomic_adds_uneven"])
+        "split_partials_uneven", "split_partials_early_loads", "atomic_adds", "atomic_adds_uneven",
+        "splits_cols_first", "splits_cols_first_many_trips"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
