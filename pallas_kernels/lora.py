@@ -123,8 +123,8 @@ BLOCKS = {
     # the expands at block_t 1 lose (0.72 -> 0.82 ms each, early_loads or one warp 0.77-0.85), so
     # the expand keeps its dots. As the default (shrink at 1, expands at 16, bench/results/
     # 20261130-7fa70de/): the step's LoRA kernels 5.43 -> 5.03 ms, device step 23.93 -> 23.56.
-    # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.2 us,
-    # shrink + expand 19.1 -> 20.0 us of device time.
+    # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.1-10.4 us,
+    # shrink + expand 19.1 -> 19.7-20.0 us of device time (bench/results/20261130-9c2b778/).
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
