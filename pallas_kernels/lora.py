@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.compute_on import compute_on
 import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 from jax.experimental.pallas import triton as plgpu
 
@@ -96,7 +97,7 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=True, split_partials=True, splits_first=False),
+                   max_programs=256, early_loads=True, split_partials=True, splits_first=False, stream=0),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
                    max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
@@ -142,6 +143,12 @@ BLOCKS = {
 # these on, one block's splits or column tiles launch one after another and read its rows'
 # consecutive stretches (an A or B row is 8 KB of one page at W 4096). kernel_sass at the S2
 # shape: shrink 56 -> 48 registers (9 -> 10 programs an SM), expand unchanged (78, 6).
+# stream (shrink), 0 (off), session 15, not yet timed on a GPU: N > 0 runs each shrink launch on
+# XLA GPU stream N (jax compute_on "gpu_stream:N"), so it can run beside the base model's
+# projection of the same x, whose matmuls leave HBM bandwidth unused (~2.3 of 4.8 TB/s at S2's
+# decode batch); the expands, which need both, stay on the main stream. XLA honours the annotation
+# only with XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true (elsewhere, the CPU included,
+# the launch is a plain call).
 # prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
 # rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
 # compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
@@ -789,9 +796,12 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         if not isinstance(v, (list, tuple)):
             return v if v.shape[0] > 1 else v[0]  # stacked by the caller
         return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
-    return _shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule, max_rank=max_rank,
-                   in_features=in_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs or BLOCKS["shrink"]["max_programs"])
+    shrink = functools.partial(_shrink, max_rank=max_rank, in_features=in_features, interpret=_interpret(interpret),
+                               block_t=block_t, max_programs=max_programs or BLOCKS["shrink"]["max_programs"])
+    if BLOCKS["shrink"].get("stream", 0):  # on a second XLA GPU stream, beside the base projection
+        shrink = compute_on(shrink, compute_type=f"gpu_stream:{BLOCKS['shrink']['stream']}",
+                            out_memory_spaces=jax.memory.Space.Device)
+    return shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule)
 
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
