@@ -883,8 +883,6 @@ def run_variants(args, argv: list[str]) -> dict:
     t = time.perf_counter()
     shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()),
                         workers=args.warmup_workers)
-    from pallas_kernels import lora as lora_kernels
-    llm._bench_blocks = json.loads(json.dumps(lora_kernels.BLOCKS))  # what that warm-up traced under
     compile_s = time.perf_counter() - t
     print(f"[variants] warm-up compiled {shapes} step shapes in {compile_s:.0f} s", flush=True)
     for k, (name, v) in enumerate(todo):
@@ -931,9 +929,9 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
     opts = {**opts, "pool_pages": num_pages}
     # --lora-blocks of this variant (the main one's unless it gives its own): a change drops every
     # traced step, so this variant's engine compiles its buckets under the new settings
-    blocks = json.loads(json.dumps(lora_kernels.set_blocks(v.lora_blocks)))
-    new_blocks = blocks != getattr(llm, "_bench_blocks", blocks)
-    llm._bench_blocks = blocks
+    # BLOCKS is what every step traced so far was traced under (only set_blocks changes it here)
+    before = json.dumps(lora_kernels.BLOCKS, sort_keys=True)
+    new_blocks = json.dumps(lora_kernels.set_blocks(v.lora_blocks), sort_keys=True) != before
     if new_blocks:
         jax.clear_caches()
     if k > 0 or new_blocks or opts != {**opts0, "pool_pages": num_pages}:

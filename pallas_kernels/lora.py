@@ -194,11 +194,11 @@ BLOCKS = {
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
-def _merge_blocks(over: str | dict, source: str = "SLORA_LORA_BLOCKS") -> None:
+def _merge_blocks(over: str | dict, source: str = "SLORA_LORA_BLOCKS", into: dict = BLOCKS) -> None:
     for kind, kv in (json.loads(over) if isinstance(over, str) else over).items():
-        if kind not in BLOCKS or not isinstance(kv, dict) or not set(kv) <= set(BLOCKS[kind]):
-            raise ValueError(f"{source}: unknown setting {kind}: {kv}; BLOCKS = {BLOCKS}")
-        BLOCKS[kind] = {**BLOCKS[kind], **kv}
+        if kind not in into or not isinstance(kv, dict) or not set(kv) <= set(into[kind]):
+            raise ValueError(f"{source}: unknown setting {kind}: {kv}; BLOCKS = {into}")
+        into[kind] = {**into[kind], **kv}
 
 
 if os.environ.get("SLORA_LORA_BLOCKS"):
@@ -210,11 +210,12 @@ def set_blocks(over: str | dict | None = None) -> dict:
     """BLOCKS as at import (the defaults with SLORA_LORA_BLOCKS merged in), then `over` (JSON text
     or a dict of the same form) merged in; returns BLOCKS. The kernels read BLOCKS when they are
     traced, so a caller that changes it must drop what was traced before (jax.clear_caches()):
-    bench/run.py's per-variant --lora-blocks, which times settings side by side in one process."""
-    for kind, kv in _IMPORTED_BLOCKS.items():
-        BLOCKS[kind] = dict(kv)
+    bench/run.py's per-variant --lora-blocks, which times settings side by side in one process.
+    A setting BLOCKS does not have raises and leaves BLOCKS as it was."""
+    new = {kind: dict(kv) for kind, kv in _IMPORTED_BLOCKS.items()}
     if over:
-        _merge_blocks(over, "lora blocks")
+        _merge_blocks(over, "lora blocks", into=new)
+    BLOCKS.update(new)
     return BLOCKS
 BLOCK_T = 16          # tokens per block (the dot's M side); the engine may pass more for prefill
 MAX_PROGRAMS = 256    # programs walking the block list; more blocks than this loop inside a program

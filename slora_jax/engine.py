@@ -767,7 +767,7 @@ class Engine:
         block_t = decode_block_t(backend) if decode else self.opts.prefill_lora_block_t
         shrink_bt = {}
         if decode:  # each shrink launch's (paged.pool_lora): q/k/v as one with group_qkv
-            for name in self._shrink_launches(ranks, group):
+            for name in self._shrink_launch_names(ranks, group):
                 bt = decode_block_t(backend, "shrink", self.cfg.kv_size,
                                     self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])
                 if bt != block_t:
@@ -780,15 +780,18 @@ class Engine:
                                 block_t=block_t, shrink_block_t=tuple(sorted(shrink_bt.items())))
 
     @staticmethod
+    def _shrink_launch_names(modules, group_qkv: bool) -> list[str]:
+        """The Pallas shrink launches of a step: one per module, q/k/v as one ("qkv") with
+        group_qkv where the step carries two or more of them (paged.pool_lora)."""
+        if group_qkv and sum(m in modules for m in paged.QKV) > 1:
+            return [m for m in modules if m not in paged.QKV] + ["qkv"]
+        return list(modules)
+
+    @staticmethod
     def _shrink_launches(ranks: dict, group_qkv: bool) -> dict:
-        """The Pallas shrink launches of a step and their ranks: one per module, q/k/v as one
-        ("qkv", each slot's largest rank of them) with group_qkv (paged.pool_lora)."""
-        qkv = [ranks[m] for m in paged.QKV if m in ranks]
-        if group_qkv and len(qkv) > 1:
-            launches = {m: rk for m, rk in ranks.items() if m not in paged.QKV}
-            launches["qkv"] = np.maximum.reduce(qkv)
-            return launches
-        return dict(ranks)
+        """`_shrink_launch_names` with each launch's ranks ("qkv": each slot's largest of q/k/v)."""
+        return {name: np.maximum.reduce([ranks[m] for m in paged.QKV if m in ranks]) if name == "qkv"
+                else ranks[name] for name in Engine._shrink_launch_names(ranks, group_qkv)}
 
     @staticmethod
     def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool,
