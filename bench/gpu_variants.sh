@@ -19,7 +19,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|blocks}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|blocks}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -152,6 +152,16 @@ case $group in
       --variant "S1-base-R25:--mode base --rate 25" \
       --variant "S1-unified-n2000-R35:--rate 35" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
+    ;;
+  capacity)
+    # The S2 capacity pair alone (unified, base), its variant names tagged with TAG: for a pair
+    # under other XLA_FLAGS, which need a process of their own (e.g. TAG=-concurrent with
+    # XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT). ~200 s with a cold cache.
+    short=(--warmup-s 5 --no-requests --rate 40)
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "S2-unified-n1000-R40${TAG:-}:${short[*]}" \
+      --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
+      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-capacity${TAG:-}.log"
     ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,

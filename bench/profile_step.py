@@ -275,6 +275,7 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
               "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
               "lora_blocks": lora_kernels.BLOCKS, "slora_lora_blocks": os.environ.get("SLORA_LORA_BLOCKS"),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "runs": []}
     result["prefill"] = prefill
 

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import platform
 import shlex
 import shutil
@@ -95,7 +96,8 @@ class Record:
 
 def header(argv: list[str]) -> dict:
     d = {"commit": git_commit(), "command": " ".join([Path(sys.executable).name, "bench/run.py", *argv]),
-         "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+         "python": platform.python_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
         import jax
         dev = jax.devices()[0]
