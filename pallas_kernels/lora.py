@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.compute_on import compute_on
 import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 from jax.experimental.pallas import triton as plgpu
 
@@ -97,7 +96,7 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=True, split_partials=True, splits_first=False, stream=0),
+                   max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
                    max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
@@ -137,18 +136,24 @@ BLOCKS = {
 # alone). In the engine's step (B 128 x 110 adapters) both together took the q/k/v shrink from
 # 2.07 to 2.18 ms and the o shrink from 0.84 to 1.20.
 
-# splits_first (shrink) / cols_first (expand), off, session 15, not yet timed on a GPU: the launch
-# order (`_grid`). By default a decode step's programs side by side are different adapters at the
-# same split or column tile: each reads 256-2048 B stretches of many scattered pool rows. With
-# these on, one block's splits or column tiles launch one after another and read its rows'
-# consecutive stretches (an A or B row is 8 KB of one page at W 4096). kernel_sass at the S2
-# shape: shrink 56 -> 48 registers (9 -> 10 programs an SM), expand unchanged (78, 6).
-# stream (shrink), 0 (off), session 15, not yet timed on a GPU: N > 0 runs each shrink launch on
-# XLA GPU stream N (jax compute_on "gpu_stream:N"), so it can run beside the base model's
-# projection of the same x, whose matmuls leave HBM bandwidth unused (~2.3 of 4.8 TB/s at S2's
-# decode batch); the expands, which need both, stay on the main stream. XLA honours the annotation
-# only with XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true (elsewhere, the CPU included,
-# the launch is a plain call).
+# splits_first (shrink) / cols_first (expand), off: the launch order (`_grid`). By default a
+# decode step's programs side by side are different adapters at the same split or column tile:
+# each reads 256-2048 B stretches of many scattered pool rows. With these on, one block's splits
+# or column tiles launch one after another and read its rows' consecutive stretches (an A or B
+# row is 8 KB of one page at W 4096). kernel_sass at the S2 shape: shrink 56 -> 48 registers (9 ->
+# 10 programs an SM), expand unchanged (78, 6). H200, session 16, the S2 decode step (B 172 x 156
+# adapters, bench/results/20261130-6b5d62b/profile-launch-order/): LoRA kernels 5.00 ms with
+# cols_first, 5.00 with both, against 5.01 at the defaults: no effect.
+# A shrink on a second XLA GPU stream (jax compute_on "gpu_stream:N", beside the base model's
+# projection of the same x), session 15-16: XLA 0.11.2 with
+# --xla_gpu_experimental_stream_annotation rejects the annotated call at run time, alone in a jit
+# (the kernel's own jnp ops are nested calls) and inside the engine's step ("No ExecutionStreamId
+# found ... only reachable through embedded calls"): removed. XLA's CUDA-graph data-flow
+# concurrency (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT) does run the LoRA kernels
+# beside the base matmuls: the S2 decode step's traced span 23.59 -> 22.56 ms (the base model's
+# 18.53 -> 18.49), but in serving each step's dispatch then waits for the step before (a command
+# buffer is updated only once its last launch is done), and S2's unified req/s went 20.53 -> 19.77
+# (bench/results/20261130-5fbfb6a/s2-capacity-flags/).
 # prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
 # rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
 # compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
@@ -799,9 +804,6 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
     shrink = functools.partial(_shrink, max_rank=max_rank, in_features=in_features, interpret=_interpret(interpret),
                                block_t=block_t, max_programs=max_programs or BLOCKS["shrink"]["max_programs"])
-    if BLOCKS["shrink"].get("stream", 0):  # on a second XLA GPU stream, beside the base projection
-        shrink = compute_on(shrink, compute_type=f"gpu_stream:{BLOCKS['shrink']['stream']}",
-                            out_memory_spaces=jax.memory.Space.Device)
     return shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule)
 
 

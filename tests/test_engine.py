@@ -1266,22 +1266,6 @@ def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
         assert set(seen[name]) == {decode_bt, prefill_bt}, (name, seen[name])
 
 
-def test_shrink_stream_changes_no_output(paths, ref, monkeypatch):
-    """BLOCKS["shrink"]["stream"]: the Pallas shrinks as calls annotated for a second XLA GPU stream
-    inside the engine's jitted steps (a plain call on the CPU): the reference's tokens."""
-    from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "shrink", {**lora_kernels.BLOCKS["shrink"], "stream": 1})
-    streams = []
-    real = lora_kernels.compute_on
-
-    def spy(f, **kw):
-        streams.append(kw["compute_type"])
-        return real(f, **kw)
-    monkeypatch.setattr(lora_kernels, "compute_on", spy)
-    generates_reference_tokens(paths, ref)
-    assert streams and set(streams) == {"gpu_stream:1"}, streams
-
-
 def test_adapter_status_for_routers(paths):
     """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
     it is resident in the device pool and cached in host memory, and its running and waiting

@@ -459,14 +459,12 @@ def test_shrink_split_k_matches_dense(monkeypatch, split_k):
     {"shrink": {"splits_first": True}, "expand": {"cols_first": True}},
     {"shrink": {"splits_first": True, "compact_tiles": False, "split_k": 3, "max_programs": 2},
      "expand": {"cols_first": True, "max_programs": 2}},
-    # the shrink on a second XLA stream (a compute_on call; the CPU ignores the stream)
-    {"shrink": {"stream": 1}},
 ], ids=["static_split", "static_split_uneven", "y_last", "rank_tile_32", "prefetch_next", "prefetch_next_empty_split",
         "prefetch_next_k1", "prefetch_next_static", "hoist_rows", "hoist_rows_prefetch_next", "compact_tiles",
         "compact_tiles_k1", "compact_tiles_rank_tile_32", "plain", "plain_k1", "early_loads",
         "early_loads_full_schedule", "early_loads_many_trips", "early_loads_hoist_rows", "split_partials",
         "split_partials_uneven", "split_partials_early_loads", "atomic_adds", "atomic_adds_uneven",
-        "splits_cols_first", "splits_cols_first_many_trips", "shrink_stream"])
+        "splits_cols_first", "splits_cols_first_many_trips"])
 def test_block_variants_match_dense(monkeypatch, blocks):
     """The kernel variants the GPU sweep times (BLOCKS options other than the defaults) compute the same
     delta as the dense product, and leave base tokens' y as it was."""
@@ -485,22 +483,6 @@ def test_block_variants_match_dense(monkeypatch, blocks):
         assert base.any() and not np.asarray(got)[base].any()
     finally:
         jax.clear_caches()
-
-
-def test_shrink_stream_annotation(monkeypatch):
-    """BLOCKS["shrink"]["stream"] N: the shrink launch is lowered as a call annotated for XLA GPU
-    stream N (what --xla_gpu_experimental_stream_annotation runs beside the main stream); 0 (the
-    default): no annotation."""
-    case = CASES["mixed"]
-    arr, *_ = make_inputs(case, jnp.float32, seed=seed_of("stream"))
-
-    def lowered():
-        return jax.jit(lambda x, rows, a, r, seg: lora.lora_shrink_group(
-            x, rows, (a,), (r,), seg, max_rank=MAX_RANK, in_features=case.fin, interpret=True)).lower(
-            arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"]).as_text()
-    assert "_xla_stream_annotation" not in lowered()
-    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "stream": 2})
-    assert '_xla_stream_annotation = "2"' in lowered()
 
 
 def test_split_partials_planes(monkeypatch):
