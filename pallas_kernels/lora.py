@@ -126,6 +126,11 @@ BLOCKS = {
     # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.1-10.4 us,
     # shrink + expand 19.1 -> 19.7-20.0 us of device time (bench/results/20261130-9c2b778/).
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
+    # mgpu (off, session 16, not yet timed on a GPU): a decode step's shrink (block_t 1) and its
+    # expands as the Mosaic GPU pair of lora_mgpu.py, each program's pool rows gathered by TMA,
+    # where one A^T / B row is one pool row (q, k, v, o of llama-7b at W 4096); col_tile: the
+    # expand's columns a program. Lowered to Mosaic GPU on the CPU and checked in its interpreter.
+    "mgpu": dict(decode=False, col_tile=512),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -860,12 +865,39 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
     schedule= (block_schedule) goes to the expands, shrink_schedule= (shrink_schedule) to the
     shrink; either None: built in the graph. shrink_block_t: the shrink's block_t where it
     differs from the expands' (block_t=), e.g. 1 (MBGMV) for a decode step's shrink."""
+    if shrink_block_t == 1 and _mgpu_takes(rows.shape[1], fin, fouts, max_rank):
+        return _apply_group_mgpu(ys, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                                 interpret=kernel_options.get("interpret"))
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
                            **_shrink_options(kernel_options, shrink_schedule, shrink_block_t))
     cols = xa.shape[-1] // len(ys)
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
                              **kernel_options)
                  for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))
+
+
+def _mgpu_takes(width: int, fin: int, fouts, max_rank: int) -> bool:
+    """BLOCKS["mgpu"]: whether a decode step's (block_t 1) launch goes to the Mosaic GPU pair."""
+    from pallas_kernels import lora_mgpu
+    return BLOCKS["mgpu"]["decode"] and lora_mgpu.applies(width, fin, fouts, max_rank, BLOCKS["mgpu"]["col_tile"])
+
+
+def _apply_group_mgpu(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, interpret=None):
+    """lora_apply_group through lora_mgpu: one shrink launch for the G modules, one expand each."""
+    from pallas_kernels import lora_mgpu
+
+    def stack(v, g):
+        if not isinstance(v, (list, tuple)):
+            return v if v.ndim == g else v[None]  # stacked by the caller, or one module
+        return jnp.stack([jnp.asarray(a) for a in v])
+    a, r = stack(a_rows, 3), stack(ranks, 2)
+    slot = token_slot(seg_starts, x.shape[0])
+    interpret = _interpret(interpret)
+    xa = lora_mgpu.shrink(x, rows, a, r, slot, max_rank=max_rank, interpret=interpret)
+    cols = xa.shape[1] // len(ys)
+    return tuple(lora_mgpu.expand(y, xa, rows, b_rows[g], r[g], slot, max_rank=max_rank, xa_col=g * cols,
+                                  col_tile=BLOCKS["mgpu"]["col_tile"], interpret=interpret)
+                 for g, y in enumerate(ys))
 
 
 def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,

@@ -615,3 +615,122 @@ def test_decode_block_t(monkeypatch):
     for bad, mbgmv in ((1, False), (8, True), (24, True)):
         with pytest.raises(ValueError, match="block_t"):
             lora._check_block_t(bad, mbgmv=mbgmv)
+
+
+# -- the Mosaic GPU decode pair (pallas_kernels/lora_mgpu.py, BLOCKS["mgpu"]) ------------------
+# One A^T / B row is one pool row there (fin = fout = W), rows are gathered by TMA. The CPU runs
+# the kernels in Mosaic GPU's interpreter and lowers them for the GPU; a GPU compiles them.
+
+MGPU_CASE = Case(ranks=(1, 8, 16, 64, 0, 24), lens=(1, 1, 2, 1, 1, 3), fin=256, fout=256, width=256)
+MGPU_RANK = 64
+
+
+def _mgpu_on(monkeypatch, col_tile=256):
+    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": True, "col_tile": col_tile})
+
+
+@pytest.mark.parametrize("modules", [1, 2], ids=["single", "grouped"])
+def test_mgpu_pair_matches_dense(monkeypatch, modules):
+    """BLOCKS["mgpu"] on, a decode-shaped call (shrink_block_t 1): lora_apply_group goes through the
+    Mosaic GPU pair (checked: the path is taken), and each module's y is y + the dense product,
+    base tokens and rank-0 slots bit for bit y, over mixed ranks (1 to 64, one not a multiple of 8),
+    slots of several tokens, a slot without a rank, a base tail and garbage past every rank."""
+    from pallas_kernels import lora_mgpu
+    _mgpu_on(monkeypatch)
+    calls = []
+    real = lora_mgpu.shrink
+    monkeypatch.setattr(lora_mgpu, "shrink", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inputs = [make_inputs(MGPU_CASE, jnp.float32, seed=seed_of("mgpu", modules, g), max_rank=MGPU_RANK)
+              for g in range(modules)]
+    # one pool and one x for the group: module g's rows come from its own inputs, copied into pool 0
+    arr0 = inputs[0][0]
+    rows = np.asarray(arr0["rows"]).copy()
+    a_rows, b_rows, ranks, mats = [], [], [], []
+    for g, (arr, a_mats, b_mats, seg, rk) in enumerate(inputs):
+        if g:  # module g's rows, moved to pool rows past module 0's pool: disjoint
+            off = POOL_ROWS * g
+            rows = np.concatenate([rows, np.asarray(arr["rows"])])
+            a_rows.append(arr["a_rows"] + off)
+            b_rows.append(arr["b_rows"] + off)
+        else:
+            a_rows.append(arr["a_rows"])
+            b_rows.append(arr["b_rows"])
+        ranks.append(arr["ranks"])
+        mats.append((a_mats, b_mats, rk))
+    ys = tuple(jnp.asarray(np.random.default_rng(g).normal(size=(TOKENS, MGPU_CASE.fout)), jnp.float32)
+               for g in range(modules))
+    got = lora.lora_apply_group(ys, arr0["x"], jnp.asarray(rows), tuple(a_rows), tuple(b_rows), tuple(ranks),
+                                arr0["seg_starts"], max_rank=MGPU_RANK, fin=MGPU_CASE.fin,
+                                fouts=(MGPU_CASE.fout,) * modules, shrink_block_t=1, interpret=True)
+    assert calls, "the Mosaic GPU pair was not taken"
+    seg = inputs[0][3]
+    for g in range(modules):
+        a_mats, b_mats, rk = mats[g]
+        assert_applied(got[g], ys[g], arr0, a_mats, b_mats, seg, rk, MGPU_CASE.fout, jnp.float32)
+
+
+def test_mgpu_kernels_alone():
+    """Each Mosaic GPU kernel on its own contract. shrink: xa matches the reference for live rank
+    columns and is exactly 0 past every token's rank and on base tokens (rows past a rank are read
+    from the garbage the index points at). expand: reads nothing of xa past a token's rank (xa
+    holds 1e3 there) and leaves base tokens' y bit for bit."""
+    from pallas_kernels import lora_mgpu
+    arr, a_mats, b_mats, seg, ranks = make_inputs(MGPU_CASE, jnp.float32, seed=seed_of("mgpu-alone"),
+                                                  max_rank=MGPU_RANK)
+    slot = lora.token_slot(arr["seg_starts"], TOKENS)
+    xa = lora_mgpu.shrink(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None], slot,
+                          max_rank=MGPU_RANK, interpret=True)
+    want = lora.lora_shrink_reference(arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"],
+                                      max_rank=MGPU_RANK, in_features=MGPU_CASE.fin)
+    assert xa.shape == (TOKENS, MGPU_RANK)
+    assert rel_err(xa, want) < 1e-5
+    dead = np.arange(MGPU_RANK)[None, :] >= owner_rank(seg, ranks)[:, None]
+    assert dead.any() and not np.asarray(xa)[dead].any()
+    noisy = jnp.where(jnp.asarray(dead), 1e3, want)
+    y = jnp.asarray(np.random.default_rng(3).normal(size=(TOKENS, MGPU_CASE.fout)), jnp.float32)
+    got = lora_mgpu.expand(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], slot, max_rank=MGPU_RANK,
+                           col_tile=256, interpret=True)
+    assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, MGPU_CASE.fout, jnp.float32)
+
+
+def test_mgpu_pair_only_where_it_applies(monkeypatch):
+    """The Mosaic GPU pair takes decode launches (shrink_block_t 1) whose A^T and B rows are whole
+    pool rows; prefill launches and other widths keep the Triton-lowered kernels."""
+    from pallas_kernels import lora_mgpu
+    assert lora_mgpu.applies(4096, 4096, (4096, 4096, 4096), 64)
+    assert not lora_mgpu.applies(4096, 11008, (4096,), 64)      # down_proj's A^T spans rows
+    assert not lora_mgpu.applies(4096, 4096, (11008,), 64)
+    assert not lora_mgpu.applies(384, 384, (384,), 64, col_tile=256)
+    _mgpu_on(monkeypatch)
+    assert lora._mgpu_takes(256, 256, (256,), 64)
+    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": False})
+    assert not lora._mgpu_takes(256, 256, (256,), 64)
+
+
+def test_mgpu_pair_lowers_for_gpu():
+    """Both kernels lower to Mosaic GPU at llama-7b's attention widths (W 4096, q/k/v grouped, ranks
+    to 64) on the CPU: what Mosaic GPU's layout inference and copy rules refuse shows here."""
+    from pallas_kernels import lora_mgpu
+    t, w, g, sa, r = 16, 4096, 3, 6, 64
+    x = jax.ShapeDtypeStruct((t, w), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1024, w), jnp.bfloat16)
+    a_rows = jax.ShapeDtypeStruct((g, sa, r), jnp.int32)
+    ranks = jax.ShapeDtypeStruct((g, sa), jnp.int32)
+    slot = jax.ShapeDtypeStruct((t,), jnp.int32)
+    xa = jax.ShapeDtypeStruct((t, g * r), jnp.float32)
+    shrink = jax.jit(lambda *a: lora_mgpu.shrink(*a, max_rank=r, interpret=False)).trace(
+        x, rows, a_rows, ranks, slot).lower(lowering_platforms=("cuda",)).as_text()
+    expand = jax.jit(lambda *a: lora_mgpu.expand(*a, max_rank=r, xa_col=r, interpret=False)).trace(
+        x, xa, rows, jax.ShapeDtypeStruct((sa, r), jnp.int32), jax.ShapeDtypeStruct((sa,), jnp.int32), slot).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for text in (shrink, expand):
+        assert "mosaic_gpu" in text, text[:2000]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
+@pytest.mark.parametrize("modules", [1, 2], ids=["single", "grouped"])
+def test_mgpu_pair_compiled(monkeypatch, modules):
+    """The same check as test_mgpu_pair_matches_dense, compiled by Mosaic GPU (lora._interpret
+    answers False whatever the call asks)."""
+    monkeypatch.setattr(lora, "_interpret", lambda interpret: False)
+    test_mgpu_pair_matches_dense(monkeypatch, modules)

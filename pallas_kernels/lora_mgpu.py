@@ -1,0 +1,158 @@
+"""LoRA shrink and expand for decode steps as Mosaic GPU kernels (Pallas:MGPU, Hopper and later):
+S-LoRA's MBGMV, with each program's pool rows gathered by TMA.
+
+Why a second pair. The Triton-lowered kernels (lora.py) are latency-bound in a decode step: each
+program gathers its rows with ordinary loads in a loop, a few KB in flight at a time, and reaches
+~2 TB/s over the S2 step's ~9.8 GB of adapter rows (bench/NOTES.md, sessions 12-15). Here one
+thread of a program issues every row copy of its tile at once (TMA, `copy_gmem_to_smem`), so each
+program has its whole tile (8 rows of A^T, 64 KB at W 4096; or up to max_rank rows of a column
+tile of B) in flight before it computes anything.
+
+Scope. One program per decode token (block_t 1): a token's rows are those of its slot's adapter;
+tokens of one adapter read the same rows (from L2 after the first). The kernels apply where one
+A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W or `out` == W
+(llama-7b's q, k, v and o at W 4096: S-LoRA's S1-S4 adapters). Everything else takes lora.py's
+kernels (`applies`).
+
+- shrink: grid (token, module, rank tile of ROWS rows). The program copies its ROWS rows of A^T
+  into shared memory, then writes xa[t, g*Rw + k*ROWS + j] = x[t] . A^T[j] for the live rows
+  (j < rank), 0 for the rest and for base tokens. Modules that read the same x (q, k, v) share the
+  launch (axis 1), as in lora.py.
+- expand: grid (token, column tile of C). The program issues the copies of all its live rank
+  tiles (ceil(rank / ROWS) tiles of ROWS rows x C columns, each on its own barrier), then adds
+  xa[t, j] * B[j, cols] tile by tile into y[t, cols]. Every program writes its y tile, base tokens
+  unchanged, so the output needs no aliasing.
+
+A row index past the slot's rank still names some pool row ("unused entries may point at any
+row", lora.py): its copy is made and its product multiplied by 0 (shrink: the result is replaced
+by 0). Tiles past the rank are never copied and never read.
+
+The bodies run in Mosaic GPU's interpreter on the CPU (tests) and lower to Mosaic GPU on a GPU.
+Off in the engine until the H200 times them (`lora.BLOCKS["mgpu"]`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 8          # rows a shrink program (and an expand rank tile) copies
+COL_TILE = 512    # expand: columns a program owns (its shared memory: max_rank x COL_TILE x 2 B)
+LANE = 256        # a TMA copy moves at most 256 elements along each dimension: rows are viewed
+                  # as [W // LANE, LANE], so one copy still moves a whole row (or column tile)
+
+
+def applies(width: int, fin: int, fouts, max_rank: int, col_tile: int = COL_TILE) -> bool:
+    """Whether the Mosaic GPU pair can take a call: one A^T row (B row) is one pool row."""
+    return (fin == width and all(f == width for f in fouts) and width % col_tile == 0 and col_tile % LANE == 0
+            and max_rank >= 1)
+
+
+def _interpret(interpret):
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _tiles(max_rank: int) -> int:
+    return -(-max_rank // ROWS)
+
+
+def _shrink_body(slot_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, x_smem, bar, *,
+                 n_slots, ra, rw):
+    t, g, k = (jax.lax.axis_index(n) for n in ("t", "g", "k"))
+    s = slot_ref[t]
+    sc = jnp.maximum(s, 0)
+    r = jnp.where(s >= 0, ranks_ref[g * n_slots + sc], 0)
+    live = r - k * ROWS  # rows of this tile below the rank
+    col = g * rw + k * ROWS
+
+    @pl.when(live > 0)
+    def _():
+        base = (g * n_slots + sc) * ra
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t, 1)], x_smem, bar)  # [1, W // LANE, LANE]
+        for j in range(ROWS):
+            row = a_rows_ref[base + jnp.minimum(k * ROWS + j, ra - 1)]
+            plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
+        plgpu.barrier_wait(bar)
+        xv = x_smem[0].astype(jnp.float32)
+        for j in range(ROWS):
+            d = jnp.sum(a_smem[j].astype(jnp.float32) * xv)
+            xa_ref[t, col + j] = jnp.where(j < live, d, 0.0)
+
+    @pl.when(live <= 0)
+    def _():
+        for j in range(ROWS):
+            xa_ref[t, col + j] = jnp.float32(0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "interpret"))
+def shrink(x, rows, a_rows, ranks, slot, *, max_rank: int, interpret=None):
+    """xa [T, G * Rw] float32, Rw = ROWS * ceil(max_rank / ROWS): module g's xa in columns g * Rw
+    on, xa[t, g*Rw + j] = x[t] . A^T_{g,s}[j] for token t of slot s and j < r_{g,s}, 0 elsewhere.
+
+    x [T, W]; rows [N, W]; a_rows [G, Sa, RA] int32 (RA >= max_rank: row j of A^T is pool row
+    a_rows[g, s, j]); ranks [G, Sa]; slot [T] int32 (token_slot: -1 for base tokens)."""
+    t, w = x.shape
+    g, sa, ra = a_rows.shape
+    tiles = _tiles(max_rank)
+    body = functools.partial(_shrink_body, n_slots=sa, ra=ra, rw=tiles * ROWS)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * ROWS), jnp.float32), grid=(t, g, tiles),
+        grid_names=("t", "g", "k"),
+        scratch_types=[plgpu.SMEM((ROWS, w // LANE, LANE), rows.dtype), plgpu.SMEM((1, w // LANE, LANE), x.dtype),
+                       plgpu.Barrier(num_arrivals=ROWS + 1)],
+        interpret=_interpret(interpret))
+    return kernel(slot, ranks.reshape(-1).astype(jnp.int32), a_rows.reshape(-1).astype(jnp.int32),
+                  x.reshape(t, w // LANE, LANE), rows.reshape(rows.shape[0], w // LANE, LANE))
+
+
+def _expand_body(slot_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, b_smem, bars, *,
+                 rb, tiles, col_tile, xa_col):
+    t, c = jax.lax.axis_index("t"), jax.lax.axis_index("c")
+    s = slot_ref[t]
+    sc = jnp.maximum(s, 0)
+    r = jnp.where(s >= 0, ranks_ref[sc], 0)
+    n_tiles = (r + ROWS - 1) // ROWS
+    cols = pl.ds(c * (col_tile // LANE), col_tile // LANE)  # [col_tile // LANE, LANE] of a row
+    for k in range(tiles):  # every live tile's copies in flight before the first product
+        @pl.when(k < n_tiles)
+        def _():
+            for j in range(ROWS):
+                row = b_rows_ref[sc * rb + min(k * ROWS + j, rb - 1)]
+                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), cols], b_smem.at[k, pl.ds(j, 1)], bars.at[k])
+    acc = y_ref[t, cols].astype(jnp.float32)
+    for k in range(tiles):
+        def add(a, k=k):
+            plgpu.barrier_wait(bars.at[k])
+            for j in range(ROWS):
+                wj = jnp.where(k * ROWS + j < r, xa_ref[t, xa_col + k * ROWS + j], 0.0)
+                a = a + wj * b_smem[k, j].astype(jnp.float32)
+            return a
+        acc = jax.lax.cond(k < n_tiles, add, lambda a: a, acc)
+    out_ref[t, cols] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "xa_col", "col_tile", "interpret"))
+def expand(y, xa, rows, b_rows, ranks, slot, *, max_rank: int, xa_col: int = 0, col_tile: int = COL_TILE,
+           interpret=None):
+    """y + xa[:, xa_col:xa_col + r_s] @ B_s for each token of slot s, base tokens unchanged, in y's
+    dtype. y [T, W]; xa [T, >= xa_col + max_rank] float32; b_rows [Sa, RB] int32 (RB >= max_rank:
+    row j of scale*B is pool row b_rows[s, j]); ranks [Sa]; slot [T] (token_slot)."""
+    t, w = y.shape
+    sa, rb = b_rows.shape
+    tiles = _tiles(max_rank)
+    lanes = (w // LANE, LANE)
+    body = functools.partial(_expand_body, rb=rb, tiles=tiles, col_tile=col_tile, xa_col=xa_col)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(t, w // col_tile), grid_names=("t", "c"),
+        scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
+                       plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
+        interpret=_interpret(interpret))
+    out = kernel(slot, ranks.astype(jnp.int32), b_rows.reshape(-1).astype(jnp.int32), xa.astype(jnp.float32),
+                 rows.reshape(rows.shape[0], *lanes), y.reshape(t, *lanes))
+    return out.reshape(t, w)
