@@ -798,6 +798,13 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
     reads them; sum(0) gives the xa above.
     schedule: shrink_schedule of each slot's largest rank over the modules."""
     assert x.shape[1] == in_features, (x.shape, in_features)
+    if block_t == 1 and mgpu_decode(rows.shape[1], in_features, "shrink"):  # a decode step's (MBGMV)
+        from pallas_kernels import lora_mgpu
+        a = a_rows if not isinstance(a_rows, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in a_rows])
+        r = ranks if not isinstance(ranks, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in ranks])
+        return lora_mgpu.shrink(x, rows, a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1]),
+                                token_slot(seg_starts, x.shape[0]), max_rank=max_rank,
+                                interpret=_interpret(interpret))
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
@@ -814,9 +821,10 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
                 interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None,
-                xa_col: int = 0):
+                xa_col: int = 0, decode: bool = False):
     """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of slot s (base tokens unchanged), in
-    y's dtype.
+    y's dtype. decode: a decode step's call (its shrink ran at block_t 1), which the Mosaic GPU
+    expand takes where BLOCKS["mgpu"] says so (mgpu_decode).
 
     y [T, out]; xa [T' >= T, >= xa_col + max_rank] float32 (from lora_shrink, or lora_shrink_group
     with xa_col = g * Rw), or [S, T', ...]: S planes of partial sums, added as they are read;
@@ -825,6 +833,12 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     """
     assert y.shape[1] == out_features and xa.shape[-2] >= y.shape[0] and xa.shape[-1] >= xa_col + max_rank, \
         (y.shape, xa.shape, out_features, xa_col)
+    if decode and mgpu_decode(rows.shape[1], out_features, "expand"):
+        from pallas_kernels import lora_mgpu
+        xa2 = xa.sum(0) if xa.ndim == 3 else xa  # a Triton shrink's split planes
+        return lora_mgpu.expand(y, xa2[:y.shape[0]], rows, b_rows, ranks, token_slot(seg_starts, y.shape[0]),
+                                max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"],
+                                interpret=_interpret(interpret))
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
         # See lora_shrink.
         xa2 = xa.sum(0) if xa.ndim == 3 else xa
@@ -865,39 +879,23 @@ def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank
     schedule= (block_schedule) goes to the expands, shrink_schedule= (shrink_schedule) to the
     shrink; either None: built in the graph. shrink_block_t: the shrink's block_t where it
     differs from the expands' (block_t=), e.g. 1 (MBGMV) for a decode step's shrink."""
-    if shrink_block_t == 1 and _mgpu_takes(rows.shape[1], fin, fouts, max_rank):
-        return _apply_group_mgpu(ys, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
-                                 interpret=kernel_options.get("interpret"))
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
                            **_shrink_options(kernel_options, shrink_schedule, shrink_block_t))
     cols = xa.shape[-1] // len(ys)
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
-                             **kernel_options)
+                             decode=shrink_block_t == 1, **kernel_options)
                  for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))
 
 
-def _mgpu_takes(width: int, fin: int, fouts, max_rank: int) -> bool:
-    """BLOCKS["mgpu"]: whether a decode step's (block_t 1) launch goes to the Mosaic GPU pair."""
+def mgpu_decode(width: int, features: int, kind: str) -> bool:
+    """BLOCKS["mgpu"]: whether a decode step's shrink (features: its `in`) or expand (its `out`)
+    goes to the Mosaic GPU pair (lora_mgpu.py): where one A^T / B row is one pool row."""
     from pallas_kernels import lora_mgpu
-    return BLOCKS["mgpu"]["decode"] and lora_mgpu.applies(width, fin, fouts, max_rank, BLOCKS["mgpu"]["col_tile"])
-
-
-def _apply_group_mgpu(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, interpret=None):
-    """lora_apply_group through lora_mgpu: one shrink launch for the G modules, one expand each."""
-    from pallas_kernels import lora_mgpu
-
-    def stack(v, g):
-        if not isinstance(v, (list, tuple)):
-            return v if v.ndim == g else v[None]  # stacked by the caller, or one module
-        return jnp.stack([jnp.asarray(a) for a in v])
-    a, r = stack(a_rows, 3), stack(ranks, 2)
-    slot = token_slot(seg_starts, x.shape[0])
-    interpret = _interpret(interpret)
-    xa = lora_mgpu.shrink(x, rows, a, r, slot, max_rank=max_rank, interpret=interpret)
-    cols = xa.shape[1] // len(ys)
-    return tuple(lora_mgpu.expand(y, xa, rows, b_rows[g], r[g], slot, max_rank=max_rank, xa_col=g * cols,
-                                  col_tile=BLOCKS["mgpu"]["col_tile"], interpret=interpret)
-                 for g, y in enumerate(ys))
+    blocks = BLOCKS["mgpu"]
+    if not blocks["decode"]:
+        return False
+    return lora_mgpu.shrink_applies(width, features) if kind == "shrink" else \
+        lora_mgpu.expand_applies(width, features, blocks["col_tile"])
 
 
 def lora_fused_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,

@@ -12,7 +12,8 @@ Scope. One program per decode token (block_t 1): a token's rows are those of its
 tokens of one adapter read the same rows (from L2 after the first). The kernels apply where one
 A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W or `out` == W
 (llama-7b's q, k, v and o at W 4096: S-LoRA's S1-S4 adapters). Everything else takes lora.py's
-kernels (`applies`).
+kernels (`shrink_applies`, `expand_applies`; each launch decides alone, and either expand reads
+either shrink's xa).
 
 - shrink: grid (token, module, rank tile of ROWS rows). The program copies its ROWS rows of A^T
   into shared memory, then writes xa[t, g*Rw + k*ROWS + j] = x[t] . A^T[j] for the live rows
@@ -46,10 +47,14 @@ LANE = 256        # a TMA copy moves at most 256 elements along each dimension: 
                   # as [W // LANE, LANE], so one copy still moves a whole row (or column tile)
 
 
-def applies(width: int, fin: int, fouts, max_rank: int, col_tile: int = COL_TILE) -> bool:
-    """Whether the Mosaic GPU pair can take a call: one A^T row (B row) is one pool row."""
-    return (fin == width and all(f == width for f in fouts) and width % col_tile == 0 and col_tile % LANE == 0
-            and max_rank >= 1)
+def shrink_applies(width: int, fin: int) -> bool:
+    """Whether the Mosaic GPU shrink can take a launch: one A^T row is one pool row."""
+    return fin == width and width % LANE == 0
+
+
+def expand_applies(width: int, fout: int, col_tile: int = COL_TILE) -> bool:
+    """Whether the Mosaic GPU expand can take a launch: one B row is one pool row."""
+    return fout == width and col_tile % LANE == 0 and width % col_tile == 0
 
 
 def _interpret(interpret):

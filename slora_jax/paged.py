@@ -310,9 +310,10 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
         group = (module,)
         if lora.group_qkv and module in QKV:
             group = qkv_group(lora.rows)
+        launch = "qkv" if len(group) > 1 else module
+        shrink_bt = dict(lora.shrink_block_t).get(launch, lora.block_t)  # 1: a decode step's (MBGMV)
         seen = shrunk.get(layer)
         if seen is None or seen[0] is not x or seen[1] != group:
-            launch = "qkv" if len(group) > 1 else module
             group_schedule = lora.schedules.get("shrink:" + launch) if lora.schedules else None
             if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
                 a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
@@ -320,12 +321,12 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
             seen = shrunk[layer] = (x, group, lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
-                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule,
-                block_t=dict(lora.shrink_block_t).get(launch, lora.block_t)))
+                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
-                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t)
+                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
+                           decode=shrink_bt == 1)
     return apply
 
 

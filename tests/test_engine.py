@@ -1376,3 +1376,39 @@ def test_device_inputs_round_trip():
         assert isinstance(g, jax.Array) and g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert got.prev_results is prev
+
+
+def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch):
+    """BLOCKS["mgpu"] on, a model whose pool row holds one A^T / B row of q, k, v and o (hidden =
+    kv width = 256): the decode steps' q/k/v and o shrinks and their four expands go through the
+    Mosaic GPU pair (run in its interpreter here; counted), and three adapters of ranks 8 and 16
+    with base rows give the dense reference's greedy tokens."""
+    import dataclasses as dc
+    from pallas_kernels import lora as lora_kernels, lora_mgpu
+    cfg = dc.replace(CFG, name="mha-256", vocab_size=128, hidden_size=256, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+    assert cfg.kv_size == cfg.hidden_size == 256
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mgpu", {**lora_kernels.BLOCKS["mgpu"], "decode": True, "col_tile": 256})
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 256})
+    ran = []
+    for name in ("shrink", "expand"):
+        real = getattr(lora_mgpu, name)
+        monkeypatch.setattr(lora_mgpu, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+    paths = {n: random_peft_adapter(tmp_path / n, cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                    seed=s) for n, r, s in (("p", 8, 1), ("q", 16, 2), ("r", 8, 3))}
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (4, 6, 3, 5)]
+    names = ["p", "q", None, "r"]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
+    jax.clear_caches()
+    try:
+        llm = LLM(cfg, adapters=paths, dtype="float32", page_size=16, pool_pages=32, lora_backend="pallas",
+                  max_lora_rank=16, max_num_seqs=4, min_decode_batch=4)
+        outs = llm.generate(prompts, sp, adapter=names)
+    finally:
+        jax.clear_caches()
+    loaded = {n: load_peft_adapter(p, cfg) for n, p in paths.items()}
+    want = ReferenceEngine(cfg, llm.params, "float32").generate(
+        prompts, [sp] * 4, [0] * 4, [loaded[n] if n else None for n in names], cfg.eos_token_ids)
+    assert_same(outs, want, lengths=[3] * 4)
+    assert ran.count("shrink") >= 2 and ran.count("expand") >= 4, ran  # q/k/v + o, 4 expands (per trace)

@@ -694,17 +694,44 @@ def test_mgpu_kernels_alone():
 
 
 def test_mgpu_pair_only_where_it_applies(monkeypatch):
-    """The Mosaic GPU pair takes decode launches (shrink_block_t 1) whose A^T and B rows are whole
-    pool rows; prefill launches and other widths keep the Triton-lowered kernels."""
+    """The Mosaic GPU kernels take decode launches (shrink at block_t 1, expand with decode=True)
+    whose A^T (shrink) or B (expand) rows are whole pool rows, each launch on its own; prefill
+    launches and other widths keep the Triton-lowered kernels."""
     from pallas_kernels import lora_mgpu
-    assert lora_mgpu.applies(4096, 4096, (4096, 4096, 4096), 64)
-    assert not lora_mgpu.applies(4096, 11008, (4096,), 64)      # down_proj's A^T spans rows
-    assert not lora_mgpu.applies(4096, 4096, (11008,), 64)
-    assert not lora_mgpu.applies(384, 384, (384,), 64, col_tile=256)
+    assert lora_mgpu.shrink_applies(4096, 4096) and lora_mgpu.expand_applies(4096, 4096)
+    assert not lora_mgpu.shrink_applies(4096, 11008)     # down_proj's A^T rows span pool rows
+    assert not lora_mgpu.expand_applies(4096, 11008)     # gate/up's B rows do too
+    assert not lora_mgpu.expand_applies(384, 384, col_tile=256)
+    assert not lora.mgpu_decode(256, 256, "shrink")      # off by default
     _mgpu_on(monkeypatch)
-    assert lora._mgpu_takes(256, 256, (256,), 64)
-    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": False})
-    assert not lora._mgpu_takes(256, 256, (256,), 64)
+    assert lora.mgpu_decode(256, 256, "shrink") and lora.mgpu_decode(256, 256, "expand")
+    assert not lora.mgpu_decode(256, 512, "shrink") and not lora.mgpu_decode(256, 512, "expand")
+
+
+@pytest.mark.parametrize("path", ["mgpu_shrink_triton_expand", "triton_shrink_mgpu_expand", "prefill"])
+def test_mgpu_mixed_launches(monkeypatch, path):
+    """Each launch decides alone and either expand reads either shrink's xa: a Mosaic GPU shrink
+    (fin = W) with a Triton expand (fout != W), a Triton shrink (fin != W, its split planes) with a
+    Mosaic GPU expand (fout = W), and a prefill-shaped call (block_t 16, decode off) that takes
+    neither. Each gives y + the dense product; the Mosaic GPU kernels run exactly where expected."""
+    from pallas_kernels import lora_mgpu
+    _mgpu_on(monkeypatch)
+    fin, fout = {"mgpu_shrink_triton_expand": (256, 64), "triton_shrink_mgpu_expand": (64, 256),
+                 "prefill": (256, 256)}[path]
+    case = dataclasses.replace(MGPU_CASE, fin=fin, fout=fout)
+    arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed=seed_of("mgpu-mixed", path),
+                                                  max_rank=MGPU_RANK)
+    ran = []
+    for name in ("shrink", "expand"):
+        real = getattr(lora_mgpu, name)
+        monkeypatch.setattr(lora_mgpu, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+    y = jnp.asarray(np.random.default_rng(5).normal(size=(TOKENS, fout)), jnp.float32)
+    bt = 16 if path == "prefill" else 1
+    got = lora.lora_apply(y, arr["x"], arr["rows"], arr["a_rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"],
+                          max_rank=MGPU_RANK, fin=fin, fout=fout, shrink_block_t=bt, interpret=True)
+    assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, fout, jnp.float32)
+    assert ran == {"mgpu_shrink_triton_expand": ["shrink"], "triton_shrink_mgpu_expand": ["expand"],
+                   "prefill": []}[path]
 
 
 def test_mgpu_pair_lowers_for_gpu():
