@@ -129,8 +129,9 @@ BLOCKS = {
     # mgpu (off, session 16, not yet timed on a GPU): a decode step's shrink (block_t 1) and its
     # expands as the Mosaic GPU pair of lora_mgpu.py, each program's pool rows gathered by TMA,
     # where one A^T / B row is one pool row (q, k, v, o of llama-7b at W 4096); col_tile: the
-    # expand's columns a program. Lowered to Mosaic GPU on the CPU and checked in its interpreter.
-    "mgpu": dict(decode=False, col_tile=512),
+    # expand's columns a program; shrink_rows: A^T rows a shrink program copies (8 KB each at W
+    # 4096). Lowered to Mosaic GPU on the CPU and checked in its interpreter.
+    "mgpu": dict(decode=False, col_tile=512, shrink_rows=8),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -804,7 +805,7 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         r = ranks if not isinstance(ranks, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in ranks])
         return lora_mgpu.shrink(x, rows, a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1]),
                                 token_slot(seg_starts, x.shape[0]), max_rank=max_rank,
-                                interpret=_interpret(interpret))
+                                rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,

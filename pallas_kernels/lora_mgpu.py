@@ -15,10 +15,10 @@ A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W o
 kernels (`shrink_applies`, `expand_applies`; each launch decides alone, and either expand reads
 either shrink's xa).
 
-- shrink: grid (token, module, rank tile of ROWS rows). The program copies its ROWS rows of A^T
-  into shared memory, then writes xa[t, g*Rw + k*ROWS + j] = x[t] . A^T[j] for the live rows
-  (j < rank), 0 for the rest and for base tokens. Modules that read the same x (q, k, v) share the
-  launch (axis 1), as in lora.py.
+- shrink: grid (token, module, rank tile of n rows: BLOCKS["mgpu"]["shrink_rows"]). The program
+  copies its n rows of A^T and x[t] into shared memory, then writes xa[t, g*Rw + k*n + j] =
+  x[t] . A^T[j] for the live rows (j < rank), 0 for the rest and for base tokens. Modules that
+  read the same x (q, k, v) share the launch (axis 1), as in lora.py.
 - expand: grid (token, column tile of C). The program issues the copies of all its live rank
   tiles (ceil(rank / ROWS) tiles of ROWS rows x C columns, each on its own barrier), then adds
   xa[t, j] * B[j, cols] tile by tile into y[t, cols]. Every program writes its y tile, base tokens
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 8          # rows a shrink program (and an expand rank tile) copies
+ROWS = 8          # rows a shrink program copies by default, and an expand rank tile's rows
 COL_TILE = 512    # expand: columns a program owns (its shared memory: max_rank x COL_TILE x 2 B)
 LANE = 256        # a TMA copy moves at most 256 elements along each dimension: rows are viewed
                   # as [W // LANE, LANE], so one copy still moves a whole row (or column tile)
@@ -68,49 +68,53 @@ def _tiles(max_rank: int) -> int:
 
 
 def _shrink_body(slot_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, x_smem, bar, *,
-                 n_slots, ra, rw):
+                 n_slots, ra, rw, n_rows):
     t, g, k = (jax.lax.axis_index(n) for n in ("t", "g", "k"))
     s = slot_ref[t]
     sc = jnp.maximum(s, 0)
     r = jnp.where(s >= 0, ranks_ref[g * n_slots + sc], 0)
-    live = r - k * ROWS  # rows of this tile below the rank
-    col = g * rw + k * ROWS
+    live = r - k * n_rows  # rows of this tile below the rank
+    col = g * rw + k * n_rows
 
     @pl.when(live > 0)
     def _():
         base = (g * n_slots + sc) * ra
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t, 1)], x_smem, bar)  # [1, W // LANE, LANE]
-        for j in range(ROWS):
-            row = a_rows_ref[base + jnp.minimum(k * ROWS + j, ra - 1)]
+        for j in range(n_rows):
+            row = a_rows_ref[base + jnp.minimum(k * n_rows + j, ra - 1)]
             plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
         plgpu.barrier_wait(bar)
         xv = x_smem[0].astype(jnp.float32)
-        for j in range(ROWS):
+        for j in range(n_rows):
             d = jnp.sum(a_smem[j].astype(jnp.float32) * xv)
             xa_ref[t, col + j] = jnp.where(j < live, d, 0.0)
 
     @pl.when(live <= 0)
     def _():
-        for j in range(ROWS):
+        for j in range(n_rows):
             xa_ref[t, col + j] = jnp.float32(0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_rank", "interpret"))
-def shrink(x, rows, a_rows, ranks, slot, *, max_rank: int, interpret=None):
-    """xa [T, G * Rw] float32, Rw = ROWS * ceil(max_rank / ROWS): module g's xa in columns g * Rw
-    on, xa[t, g*Rw + j] = x[t] . A^T_{g,s}[j] for token t of slot s and j < r_{g,s}, 0 elsewhere.
+@functools.partial(jax.jit, static_argnames=("max_rank", "rows_per_program", "interpret"))
+def shrink(x, rows, a_rows, ranks, slot, *, max_rank: int, rows_per_program: int = ROWS, interpret=None):
+    """xa [T, G * Rw] float32, Rw = rows_per_program * ceil(max_rank / rows_per_program): module g's
+    xa in columns g * Rw on, xa[t, g*Rw + j] = x[t] . A^T_{g,s}[j] for token t of slot s and
+    j < r_{g,s}, 0 elsewhere.
 
     x [T, W]; rows [N, W]; a_rows [G, Sa, RA] int32 (RA >= max_rank: row j of A^T is pool row
-    a_rows[g, s, j]); ranks [G, Sa]; slot [T] int32 (token_slot: -1 for base tokens)."""
+    a_rows[g, s, j]); ranks [G, Sa]; slot [T] int32 (token_slot: -1 for base tokens).
+    rows_per_program: A^T rows a program copies and multiplies (its shared memory: that many
+    rows of W, plus x's)."""
     t, w = x.shape
     g, sa, ra = a_rows.shape
-    tiles = _tiles(max_rank)
-    body = functools.partial(_shrink_body, n_slots=sa, ra=ra, rw=tiles * ROWS)
+    n = rows_per_program
+    tiles = -(-max_rank // n)
+    body = functools.partial(_shrink_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * ROWS), jnp.float32), grid=(t, g, tiles),
+        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(t, g, tiles),
         grid_names=("t", "g", "k"),
-        scratch_types=[plgpu.SMEM((ROWS, w // LANE, LANE), rows.dtype), plgpu.SMEM((1, w // LANE, LANE), x.dtype),
-                       plgpu.Barrier(num_arrivals=ROWS + 1)],
+        scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.SMEM((1, w // LANE, LANE), x.dtype),
+                       plgpu.Barrier(num_arrivals=n + 1)],
         interpret=_interpret(interpret))
     return kernel(slot, ranks.reshape(-1).astype(jnp.int32), a_rows.reshape(-1).astype(jnp.int32),
                   x.reshape(t, w // LANE, LANE), rows.reshape(rows.shape[0], w // LANE, LANE))

@@ -669,7 +669,8 @@ def test_mgpu_pair_matches_dense(monkeypatch, modules):
         assert_applied(got[g], ys[g], arr0, a_mats, b_mats, seg, rk, MGPU_CASE.fout, jnp.float32)
 
 
-def test_mgpu_kernels_alone():
+@pytest.mark.parametrize("rows_per_program", [8, 16])
+def test_mgpu_kernels_alone(rows_per_program):
     """Each Mosaic GPU kernel on its own contract. shrink: xa matches the reference for live rank
     columns and is exactly 0 past every token's rank and on base tokens (rows past a rank are read
     from the garbage the index points at). expand: reads nothing of xa past a token's rank (xa
@@ -679,7 +680,7 @@ def test_mgpu_kernels_alone():
                                                   max_rank=MGPU_RANK)
     slot = lora.token_slot(arr["seg_starts"], TOKENS)
     xa = lora_mgpu.shrink(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None], slot,
-                          max_rank=MGPU_RANK, interpret=True)
+                          max_rank=MGPU_RANK, rows_per_program=rows_per_program, interpret=True)
     want = lora.lora_shrink_reference(arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"],
                                       max_rank=MGPU_RANK, in_features=MGPU_CASE.fin)
     assert xa.shape == (TOKENS, MGPU_RANK)
@@ -734,9 +735,11 @@ def test_mgpu_mixed_launches(monkeypatch, path):
                    "prefill": []}[path]
 
 
-def test_mgpu_pair_lowers_for_gpu():
+@pytest.mark.parametrize("shrink_rows,col_tile", [(8, 512), (16, 256), (4, 1024)])
+def test_mgpu_pair_lowers_for_gpu(shrink_rows, col_tile):
     """Both kernels lower to Mosaic GPU at llama-7b's attention widths (W 4096, q/k/v grouped, ranks
-    to 64) on the CPU: what Mosaic GPU's layout inference and copy rules refuse shows here."""
+    to 64) on the CPU, at the settings a GPU sweep tries: what Mosaic GPU's layout inference and
+    copy rules refuse shows here."""
     from pallas_kernels import lora_mgpu
     t, w, g, sa, r = 16, 4096, 3, 6, 64
     x = jax.ShapeDtypeStruct((t, w), jnp.bfloat16)
@@ -745,9 +748,11 @@ def test_mgpu_pair_lowers_for_gpu():
     ranks = jax.ShapeDtypeStruct((g, sa), jnp.int32)
     slot = jax.ShapeDtypeStruct((t,), jnp.int32)
     xa = jax.ShapeDtypeStruct((t, g * r), jnp.float32)
-    shrink = jax.jit(lambda *a: lora_mgpu.shrink(*a, max_rank=r, interpret=False)).trace(
+    shrink = jax.jit(lambda *a: lora_mgpu.shrink(*a, max_rank=r, rows_per_program=shrink_rows,
+                                                 interpret=False)).trace(
         x, rows, a_rows, ranks, slot).lower(lowering_platforms=("cuda",)).as_text()
-    expand = jax.jit(lambda *a: lora_mgpu.expand(*a, max_rank=r, xa_col=r, interpret=False)).trace(
+    expand = jax.jit(lambda *a: lora_mgpu.expand(*a, max_rank=r, xa_col=r, col_tile=col_tile,
+                                                 interpret=False)).trace(
         x, xa, rows, jax.ShapeDtypeStruct((sa, r), jnp.int32), jax.ShapeDtypeStruct((sa,), jnp.int32), slot).lower(
         lowering_platforms=("cuda",)).as_text()
     for text in (shrink, expand):
