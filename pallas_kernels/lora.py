@@ -788,7 +788,7 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_feature
 
 
 def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_features: int, interpret=None,
-                      block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None):
+                      block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None, token_slot=None):
     """lora_shrink for G modules that read the same x (q, k and v), in one launch: a_rows and ranks
     are sequences of G per-module arrays, or already stacked [G, Sa, RA] and [G, Sa] (the engine
     stacks q, k and v on the host once a step: no stacking op in every layer). Returns xa
@@ -797,14 +797,15 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
     With split-K and BLOCKS["shrink"]["split_partials"]: [split_k, T', G * Rw], each split's
     partial sums in its own plane (plain stores, no atomic adds), which lora_expand adds as it
     reads them; sum(0) gives the xa above.
-    schedule: shrink_schedule of each slot's largest rank over the modules."""
+    schedule: shrink_schedule of each slot's largest rank over the modules. token_slot: [T] each
+    token's slot (-1: base), for the Mosaic GPU kernels (None: from seg_starts)."""
     assert x.shape[1] == in_features, (x.shape, in_features)
     if block_t == 1 and mgpu_decode(rows.shape[1], in_features, "shrink"):  # a decode step's (MBGMV)
         from pallas_kernels import lora_mgpu
         a = a_rows if not isinstance(a_rows, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in a_rows])
         r = ranks if not isinstance(ranks, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in ranks])
         return lora_mgpu.shrink(x, rows, a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1]),
-                                token_slot(seg_starts, x.shape[0]), max_rank=max_rank,
+                                _slots(token_slot, seg_starts, x.shape[0]), max_rank=max_rank,
                                 rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
@@ -822,10 +823,10 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
 
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
                 interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None, schedule=None,
-                xa_col: int = 0, decode: bool = False):
+                xa_col: int = 0, decode: bool = False, token_slot=None):
     """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of slot s (base tokens unchanged), in
     y's dtype. decode: a decode step's call (its shrink ran at block_t 1), which the Mosaic GPU
-    expand takes where BLOCKS["mgpu"] says so (mgpu_decode).
+    expand takes where BLOCKS["mgpu"] says so (mgpu_decode; token_slot as for lora_shrink_group).
 
     y [T, out]; xa [T' >= T, >= xa_col + max_rank] float32 (from lora_shrink, or lora_shrink_group
     with xa_col = g * Rw), or [S, T', ...]: S planes of partial sums, added as they are read;
@@ -837,7 +838,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     if decode and mgpu_decode(rows.shape[1], out_features, "expand"):
         from pallas_kernels import lora_mgpu
         xa2 = xa.sum(0) if xa.ndim == 3 else xa  # a Triton shrink's split planes
-        return lora_mgpu.expand(y, xa2[:y.shape[0]], rows, b_rows, ranks, token_slot(seg_starts, y.shape[0]),
+        return lora_mgpu.expand(y, xa2[:y.shape[0]], rows, b_rows, ranks, _slots(token_slot, seg_starts, y.shape[0]),
                                 max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"],
                                 interpret=_interpret(interpret))
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
@@ -954,6 +955,11 @@ def token_slot(seg_starts, t: int):
     sa = seg_starts.shape[0] - 1
     slot = jnp.searchsorted(seg_starts, jnp.arange(t), side="right") - 1
     return jnp.where((slot >= 0) & (slot < sa), slot, -1).astype(jnp.int32)
+
+
+def _slots(given, seg_starts, t: int):
+    """token_slot, given (the engine's, built on the host) or from seg_starts."""
+    return token_slot(seg_starts, t) if given is None else jnp.asarray(given, jnp.int32)
 
 
 def _pool_weights(rows, idx, ranks, max_rank: int, features: int):

@@ -321,12 +321,13 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
             seen = shrunk[layer] = (x, group, lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
-                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt))
+                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt,
+                token_slot=lora.token_slot))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
                            out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
-                           decode=shrink_bt == 1)
+                           decode=shrink_bt == 1, token_slot=lora.token_slot)
     return apply
 
 
