@@ -130,8 +130,10 @@ BLOCKS = {
     # expands as the Mosaic GPU pair of lora_mgpu.py, each program's pool rows gathered by TMA,
     # where one A^T / B row is one pool row (q, k, v, o of llama-7b at W 4096); col_tile: the
     # expand's columns a program; shrink_rows: A^T rows a shrink program copies (8 KB each at W
-    # 4096). Lowered to Mosaic GPU on the CPU and checked in its interpreter.
-    "mgpu": dict(decode=False, col_tile=512, shrink_rows=8),
+    # 4096); per_slot: one program per slot, its rows copied once for all its tokens (False: one
+    # per token, a slot's rows re-read from L2 by its later tokens). Lowered to Mosaic GPU on the
+    # CPU and checked in its interpreter.
+    "mgpu": dict(decode=False, col_tile=512, shrink_rows=8, per_slot=True),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -804,9 +806,11 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         from pallas_kernels import lora_mgpu
         a = a_rows if not isinstance(a_rows, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in a_rows])
         r = ranks if not isinstance(ranks, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in ranks])
-        return lora_mgpu.shrink(x, rows, a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1]),
-                                _slots(token_slot, seg_starts, x.shape[0]), max_rank=max_rank,
-                                rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
+        a, r = a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1])
+        opts = dict(max_rank=max_rank, rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
+        if BLOCKS["mgpu"]["per_slot"]:
+            return lora_mgpu.shrink_by_slot(x, rows, a, r, seg_starts, **opts)
+        return lora_mgpu.shrink(x, rows, a, r, _slots(token_slot, seg_starts, x.shape[0]), **opts)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
@@ -838,9 +842,11 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     if decode and mgpu_decode(rows.shape[1], out_features, "expand"):
         from pallas_kernels import lora_mgpu
         xa2 = xa.sum(0) if xa.ndim == 3 else xa  # a Triton shrink's split planes
+        opts = dict(max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"], interpret=_interpret(interpret))
+        if BLOCKS["mgpu"]["per_slot"]:
+            return lora_mgpu.expand_by_slot(y, xa2[:y.shape[0]], rows, b_rows, ranks, seg_starts, **opts)
         return lora_mgpu.expand(y, xa2[:y.shape[0]], rows, b_rows, ranks, _slots(token_slot, seg_starts, y.shape[0]),
-                                max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"],
-                                interpret=_interpret(interpret))
+                                **opts)
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
         # See lora_shrink.
         xa2 = xa.sum(0) if xa.ndim == 3 else xa

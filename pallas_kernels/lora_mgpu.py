@@ -8,8 +8,11 @@ thread of a program issues every row copy of its tile at once (TMA, `copy_gmem_t
 program has its whole tile (8 rows of A^T, 64 KB at W 4096; or up to max_rank rows of a column
 tile of B) in flight before it computes anything.
 
-Scope. One program per decode token (block_t 1): a token's rows are those of its slot's adapter;
-tokens of one adapter read the same rows (from L2 after the first). The kernels apply where one
+Scope. Decode steps (the engine's block_t 1 launches). Two forms: one program per slot
+(`shrink_by_slot`, `expand_by_slot`; BLOCKS["mgpu"]["per_slot"], the default), which copies the
+slot's rows once and loops over the slot's tokens, so an adapter's weights are read once a step
+for all its tokens; or one program per token (`shrink`, `expand`), whose tokens of one adapter
+re-read its rows (from L2 after the first). The kernels apply where one
 A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W or `out` == W
 (llama-7b's q, k, v and o at W 4096: S-LoRA's S1-S4 adapters). Everything else takes lora.py's
 kernels (`shrink_applies`, `expand_applies`; each launch decides alone, and either expand reads
@@ -164,4 +167,122 @@ def expand(y, xa, rows, b_rows, ranks, slot, *, max_rank: int, xa_col: int = 0, 
         interpret=_interpret(interpret))
     out = kernel(slot, ranks.astype(jnp.int32), b_rows.reshape(-1).astype(jnp.int32), xa.astype(jnp.float32),
                  rows.reshape(rows.shape[0], *lanes), y.reshape(t, *lanes))
+    return out.reshape(t, w)
+
+
+# -- one program per slot (BLOCKS["mgpu"]["per_slot"]): a slot's rows are copied once and serve
+# every token of the slot (issue 4: an adapter's weights read once a step for all its tokens).
+# Grid axis 0 runs over the Sa slots plus one more, the base tokens [seg_starts[Sa], T), whose
+# programs write xa's zeros and copy y through, so every output row is written by exactly one
+# program and no output aliasing is needed.
+
+
+def _segment(seg_ref, s, n_slots: int, t_total: int):
+    """Token range [lo, hi) of program row s: slot s's, or the base tokens' for s == n_slots."""
+    return seg_ref[s], jnp.where(s < n_slots, seg_ref[jnp.minimum(s + 1, n_slots)], t_total)
+
+
+def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, bar, *,
+                      n_slots, ra, rw, n_rows, t_total):
+    s, g, k = (jax.lax.axis_index(n) for n in ("s", "g", "k"))
+    sc = jnp.minimum(s, n_slots - 1)
+    lo, hi = _segment(seg_ref, s, n_slots, t_total)
+    r = jnp.where(s < n_slots, ranks_ref[g * n_slots + sc], 0)
+    live = r - k * n_rows
+    col = g * rw + k * n_rows
+
+    @pl.when((live > 0) & (hi > lo))
+    def _():
+        base = (g * n_slots + sc) * ra
+        for j in range(n_rows):
+            row = a_rows_ref[base + jnp.minimum(k * n_rows + j, ra - 1)]
+            plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
+        plgpu.barrier_wait(bar)
+
+        def token(t, carry):
+            xv = x_ref[t].astype(jnp.float32)  # [W // LANE, LANE], straight from HBM
+            for j in range(n_rows):
+                xa_ref[t, col + j] = jnp.where(j < live, jnp.sum(a_smem[j].astype(jnp.float32) * xv), 0.0)
+            return carry
+        jax.lax.fori_loop(lo, hi, token, 0)
+
+    @pl.when(live <= 0)
+    def _():
+        def zeros(t, carry):
+            for j in range(n_rows):
+                xa_ref[t, col + j] = jnp.float32(0.0)
+            return carry
+        jax.lax.fori_loop(lo, hi, zeros, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "rows_per_program", "interpret"))
+def shrink_by_slot(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, rows_per_program: int = ROWS,
+                   interpret=None):
+    """`shrink` with one program per (slot, module, rank tile) instead of per token: the same xa.
+    seg_starts [Sa + 1] (seg_starts[0] == 0): slot s owns tokens [seg_starts[s], seg_starts[s+1])."""
+    t, w = x.shape
+    g, sa, ra = a_rows.shape
+    n = rows_per_program
+    tiles = -(-max_rank // n)
+    body = functools.partial(_shrink_slot_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n, t_total=t)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(sa + 1, g, tiles),
+        grid_names=("s", "g", "k"),
+        scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.Barrier(num_arrivals=n)],
+        interpret=_interpret(interpret))
+    return kernel(seg_starts.astype(jnp.int32), ranks.reshape(-1).astype(jnp.int32),
+                  a_rows.reshape(-1).astype(jnp.int32), x.reshape(t, w // LANE, LANE),
+                  rows.reshape(rows.shape[0], w // LANE, LANE))
+
+
+def _expand_slot_body(seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, b_smem, bars, *,
+                      n_slots, rb, tiles, col_tile, xa_col, t_total):
+    s, c = jax.lax.axis_index("s"), jax.lax.axis_index("c")
+    sc = jnp.minimum(s, n_slots - 1)
+    lo, hi = _segment(seg_ref, s, n_slots, t_total)
+    r = jnp.where(s < n_slots, ranks_ref[sc], 0)
+    n_tiles = jnp.where(hi > lo, (r + ROWS - 1) // ROWS, 0)
+    cols = pl.ds(c * (col_tile // LANE), col_tile // LANE)
+    for k in range(tiles):  # the slot's live tiles, each copied once, all in flight together
+        @pl.when(k < n_tiles)
+        def _():
+            for j in range(ROWS):
+                row = b_rows_ref[sc * rb + min(k * ROWS + j, rb - 1)]
+                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), cols], b_smem.at[k, pl.ds(j, 1)], bars.at[k])
+    for k in range(tiles):
+        @pl.when(k < n_tiles)
+        def _():
+            plgpu.barrier_wait(bars.at[k])
+
+    def token(t, carry):
+        acc = y_ref[t, cols].astype(jnp.float32)
+        for k in range(tiles):
+            def add(a, k=k):
+                for j in range(ROWS):
+                    wj = jnp.where(k * ROWS + j < r, xa_ref[t, xa_col + k * ROWS + j], 0.0)
+                    a = a + wj * b_smem[k, j].astype(jnp.float32)
+                return a
+            acc = jax.lax.cond(k < n_tiles, add, lambda a: a, acc)
+        out_ref[t, cols] = acc.astype(out_ref.dtype)
+        return carry
+    jax.lax.fori_loop(lo, hi, token, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "xa_col", "col_tile", "interpret"))
+def expand_by_slot(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, xa_col: int = 0,
+                   col_tile: int = COL_TILE, interpret=None):
+    """`expand` with one program per (slot, column tile) instead of per token: the same y."""
+    t, w = y.shape
+    sa, rb = b_rows.shape
+    tiles = _tiles(max_rank)
+    lanes = (w // LANE, LANE)
+    body = functools.partial(_expand_slot_body, n_slots=sa, rb=rb, tiles=tiles, col_tile=col_tile, xa_col=xa_col,
+                             t_total=t)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(sa + 1, w // col_tile), grid_names=("s", "c"),
+        scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
+                       plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
+        interpret=_interpret(interpret))
+    out = kernel(seg_starts.astype(jnp.int32), ranks.astype(jnp.int32), b_rows.reshape(-1).astype(jnp.int32),
+                 xa.astype(jnp.float32), rows.reshape(rows.shape[0], *lanes), y.reshape(t, *lanes))
     return out.reshape(t, w)

@@ -1378,7 +1378,8 @@ def test_device_inputs_round_trip():
     assert got.prev_results is prev
 
 
-def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("per_slot", [True, False], ids=["per_slot", "per_token"])
+def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch, per_slot):
     """BLOCKS["mgpu"] on, a model whose pool row holds one A^T / B row of q, k, v and o (hidden =
     kv width = 256): the decode steps' q/k/v and o shrinks and their four expands go through the
     Mosaic GPU pair (run in its interpreter here; counted), and three adapters of ranks 8 and 16
@@ -1388,12 +1389,14 @@ def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch):
     cfg = dc.replace(CFG, name="mha-256", vocab_size=128, hidden_size=256, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
     assert cfg.kv_size == cfg.hidden_size == 256
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mgpu", {**lora_kernels.BLOCKS["mgpu"], "decode": True, "col_tile": 256})
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mgpu", {**lora_kernels.BLOCKS["mgpu"], "decode": True, "col_tile": 256,
+                                                      "per_slot": per_slot})
     monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 256})
     ran = []
     for name in ("shrink", "expand"):
-        real = getattr(lora_mgpu, name)
-        monkeypatch.setattr(lora_mgpu, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+        fn = name + ("_by_slot" if per_slot else "")
+        real = getattr(lora_mgpu, fn)
+        monkeypatch.setattr(lora_mgpu, fn, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
     paths = {n: random_peft_adapter(tmp_path / n, cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                                     seed=s) for n, r, s in (("p", 8, 1), ("q", 16, 2), ("r", 8, 3))}
     rng = np.random.default_rng(7)

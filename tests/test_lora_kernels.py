@@ -638,8 +638,8 @@ def test_mgpu_pair_matches_dense(monkeypatch, modules):
     from pallas_kernels import lora_mgpu
     _mgpu_on(monkeypatch)
     calls = []
-    real = lora_mgpu.shrink
-    monkeypatch.setattr(lora_mgpu, "shrink", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lora_mgpu.shrink_by_slot  # the default form (BLOCKS["mgpu"]["per_slot"])
+    monkeypatch.setattr(lora_mgpu, "shrink_by_slot", lambda *a, **k: calls.append(1) or real(*a, **k))
     inputs = [make_inputs(MGPU_CASE, jnp.float32, seed=seed_of("mgpu", modules, g), max_rank=MGPU_RANK)
               for g in range(modules)]
     # one pool and one x for the group: module g's rows come from its own inputs, copied into pool 0
@@ -669,9 +669,11 @@ def test_mgpu_pair_matches_dense(monkeypatch, modules):
         assert_applied(got[g], ys[g], arr0, a_mats, b_mats, seg, rk, MGPU_CASE.fout, jnp.float32)
 
 
+@pytest.mark.parametrize("per_slot", [True, False], ids=["per_slot", "per_token"])
 @pytest.mark.parametrize("rows_per_program", [8, 16])
-def test_mgpu_kernels_alone(rows_per_program):
-    """Each Mosaic GPU kernel on its own contract. shrink: xa matches the reference for live rank
+def test_mgpu_kernels_alone(rows_per_program, per_slot):
+    """Each Mosaic GPU kernel on its own contract, in both forms (a program per slot or per token).
+    shrink: xa matches the reference for live rank
     columns and is exactly 0 past every token's rank and on base tokens (rows past a rank are read
     from the garbage the index points at). expand: reads nothing of xa past a token's rank (xa
     holds 1e3 there) and leaves base tokens' y bit for bit."""
@@ -679,8 +681,13 @@ def test_mgpu_kernels_alone(rows_per_program):
     arr, a_mats, b_mats, seg, ranks = make_inputs(MGPU_CASE, jnp.float32, seed=seed_of("mgpu-alone"),
                                                   max_rank=MGPU_RANK)
     slot = lora.token_slot(arr["seg_starts"], TOKENS)
-    xa = lora_mgpu.shrink(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None], slot,
-                          max_rank=MGPU_RANK, rows_per_program=rows_per_program, interpret=True)
+    if per_slot:
+        xa = lora_mgpu.shrink_by_slot(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None],
+                                      arr["seg_starts"], max_rank=MGPU_RANK, rows_per_program=rows_per_program,
+                                      interpret=True)
+    else:
+        xa = lora_mgpu.shrink(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None], slot,
+                              max_rank=MGPU_RANK, rows_per_program=rows_per_program, interpret=True)
     want = lora.lora_shrink_reference(arr["x"], arr["rows"], arr["a_rows"], arr["ranks"], arr["seg_starts"],
                                       max_rank=MGPU_RANK, in_features=MGPU_CASE.fin)
     assert xa.shape == (TOKENS, MGPU_RANK)
@@ -689,8 +696,12 @@ def test_mgpu_kernels_alone(rows_per_program):
     assert dead.any() and not np.asarray(xa)[dead].any()
     noisy = jnp.where(jnp.asarray(dead), 1e3, want)
     y = jnp.asarray(np.random.default_rng(3).normal(size=(TOKENS, MGPU_CASE.fout)), jnp.float32)
-    got = lora_mgpu.expand(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], slot, max_rank=MGPU_RANK,
-                           col_tile=256, interpret=True)
+    if per_slot:
+        got = lora_mgpu.expand_by_slot(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"],
+                                       max_rank=MGPU_RANK, col_tile=256, interpret=True)
+    else:
+        got = lora_mgpu.expand(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], slot, max_rank=MGPU_RANK,
+                               col_tile=256, interpret=True)
     assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, MGPU_CASE.fout, jnp.float32)
 
 
@@ -724,8 +735,9 @@ def test_mgpu_mixed_launches(monkeypatch, path):
                                                   max_rank=MGPU_RANK)
     ran = []
     for name in ("shrink", "expand"):
-        real = getattr(lora_mgpu, name)
-        monkeypatch.setattr(lora_mgpu, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
+        real = getattr(lora_mgpu, name + "_by_slot")
+        monkeypatch.setattr(lora_mgpu, name + "_by_slot",
+                            lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
     y = jnp.asarray(np.random.default_rng(5).normal(size=(TOKENS, fout)), jnp.float32)
     bt = 16 if path == "prefill" else 1
     got = lora.lora_apply(y, arr["x"], arr["rows"], arr["a_rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"],
@@ -735,8 +747,9 @@ def test_mgpu_mixed_launches(monkeypatch, path):
                    "prefill": []}[path]
 
 
-@pytest.mark.parametrize("shrink_rows,col_tile", [(8, 512), (16, 256), (4, 1024)])
-def test_mgpu_pair_lowers_for_gpu(shrink_rows, col_tile):
+@pytest.mark.parametrize("shrink_rows,col_tile,per_slot", [(8, 512, True), (8, 512, False), (16, 256, True),
+                                                            (4, 1024, True)])
+def test_mgpu_pair_lowers_for_gpu(shrink_rows, col_tile, per_slot):
     """Both kernels lower to Mosaic GPU at llama-7b's attention widths (W 4096, q/k/v grouped, ranks
     to 64) on the CPU, at the settings a GPU sweep tries: what Mosaic GPU's layout inference and
     copy rules refuse shows here."""
@@ -748,12 +761,14 @@ def test_mgpu_pair_lowers_for_gpu(shrink_rows, col_tile):
     ranks = jax.ShapeDtypeStruct((g, sa), jnp.int32)
     slot = jax.ShapeDtypeStruct((t,), jnp.int32)
     xa = jax.ShapeDtypeStruct((t, g * r), jnp.float32)
-    shrink = jax.jit(lambda *a: lora_mgpu.shrink(*a, max_rank=r, rows_per_program=shrink_rows,
-                                                 interpret=False)).trace(
-        x, rows, a_rows, ranks, slot).lower(lowering_platforms=("cuda",)).as_text()
-    expand = jax.jit(lambda *a: lora_mgpu.expand(*a, max_rank=r, xa_col=r, col_tile=col_tile,
-                                                 interpret=False)).trace(
-        x, xa, rows, jax.ShapeDtypeStruct((sa, r), jnp.int32), jax.ShapeDtypeStruct((sa,), jnp.int32), slot).lower(
+    # per slot, the last argument is seg_starts [Sa + 1] instead of token_slot [T]
+    index = jax.ShapeDtypeStruct((sa + 1,), jnp.int32) if per_slot else slot
+    shrink_fn, expand_fn = ((lora_mgpu.shrink_by_slot, lora_mgpu.expand_by_slot) if per_slot
+                            else (lora_mgpu.shrink, lora_mgpu.expand))
+    shrink = jax.jit(lambda *a: shrink_fn(*a, max_rank=r, rows_per_program=shrink_rows, interpret=False)).trace(
+        x, rows, a_rows, ranks, index).lower(lowering_platforms=("cuda",)).as_text()
+    expand = jax.jit(lambda *a: expand_fn(*a, max_rank=r, xa_col=r, col_tile=col_tile, interpret=False)).trace(
+        x, xa, rows, jax.ShapeDtypeStruct((sa, r), jnp.int32), jax.ShapeDtypeStruct((sa,), jnp.int32), index).lower(
         lowering_platforms=("cuda",)).as_text()
     for text in (shrink, expand):
         assert "mosaic_gpu" in text, text[:2000]
