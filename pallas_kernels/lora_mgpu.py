@@ -131,22 +131,36 @@ def _expand_body(slot_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_r
     r = jnp.where(s >= 0, ranks_ref[sc], 0)
     n_tiles = (r + ROWS - 1) // ROWS
     cols = pl.ds(c * (col_tile // LANE), col_tile // LANE)  # [col_tile // LANE, LANE] of a row
-    for k in range(tiles):  # every live tile's copies in flight before the first product
+    _copy_b_tiles(rows_ref, b_rows_ref, b_smem, bars, sc * rb, rb, tiles, n_tiles, cols)
+    acc = y_ref[t, cols].astype(jnp.float32)
+    acc = _add_b_tiles(acc, xa_ref, b_smem, bars, t, r, n_tiles, tiles=tiles, xa_col=xa_col, wait=True)
+    out_ref[t, cols] = acc.astype(out_ref.dtype)
+
+
+def _copy_b_tiles(rows_ref, b_rows_ref, b_smem, bars, base, rb, tiles, n_tiles, cols):
+    """Issue the copies of the first n_tiles rank tiles of B (ROWS rows x `cols` each, tile k on
+    barrier k): all in flight before the first product."""
+    for k in range(tiles):
         @pl.when(k < n_tiles)
         def _():
             for j in range(ROWS):
-                row = b_rows_ref[sc * rb + min(k * ROWS + j, rb - 1)]
+                row = b_rows_ref[base + min(k * ROWS + j, rb - 1)]
                 plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), cols], b_smem.at[k, pl.ds(j, 1)], bars.at[k])
-    acc = y_ref[t, cols].astype(jnp.float32)
+
+
+def _add_b_tiles(acc, xa_ref, b_smem, bars, t, r, n_tiles, *, tiles, xa_col, wait: bool):
+    """acc + sum over the live rank rows j < r of xa[t, xa_col + j] * B[j, cols], tile by tile (a
+    tile's barrier waited first where `wait`)."""
     for k in range(tiles):
         def add(a, k=k):
-            plgpu.barrier_wait(bars.at[k])
+            if wait:
+                plgpu.barrier_wait(bars.at[k])
             for j in range(ROWS):
                 wj = jnp.where(k * ROWS + j < r, xa_ref[t, xa_col + k * ROWS + j], 0.0)
                 a = a + wj * b_smem[k, j].astype(jnp.float32)
             return a
         acc = jax.lax.cond(k < n_tiles, add, lambda a: a, acc)
-    out_ref[t, cols] = acc.astype(out_ref.dtype)
+    return acc
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "xa_col", "col_tile", "interpret"))
@@ -243,12 +257,7 @@ def _expand_slot_body(seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, o
     r = jnp.where(s < n_slots, ranks_ref[sc], 0)
     n_tiles = jnp.where(hi > lo, (r + ROWS - 1) // ROWS, 0)
     cols = pl.ds(c * (col_tile // LANE), col_tile // LANE)
-    for k in range(tiles):  # the slot's live tiles, each copied once, all in flight together
-        @pl.when(k < n_tiles)
-        def _():
-            for j in range(ROWS):
-                row = b_rows_ref[sc * rb + min(k * ROWS + j, rb - 1)]
-                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), cols], b_smem.at[k, pl.ds(j, 1)], bars.at[k])
+    _copy_b_tiles(rows_ref, b_rows_ref, b_smem, bars, sc * rb, rb, tiles, n_tiles, cols)  # once a slot
     for k in range(tiles):
         @pl.when(k < n_tiles)
         def _():
@@ -256,13 +265,7 @@ def _expand_slot_body(seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, o
 
     def token(t, carry):
         acc = y_ref[t, cols].astype(jnp.float32)
-        for k in range(tiles):
-            def add(a, k=k):
-                for j in range(ROWS):
-                    wj = jnp.where(k * ROWS + j < r, xa_ref[t, xa_col + k * ROWS + j], 0.0)
-                    a = a + wj * b_smem[k, j].astype(jnp.float32)
-                return a
-            acc = jax.lax.cond(k < n_tiles, add, lambda a: a, acc)
+        acc = _add_b_tiles(acc, xa_ref, b_smem, bars, t, r, n_tiles, tiles=tiles, xa_col=xa_col, wait=False)
         out_ref[t, cols] = acc.astype(out_ref.dtype)
         return carry
     jax.lax.fori_loop(lo, hi, token, 0)
