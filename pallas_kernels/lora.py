@@ -802,10 +802,14 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
     schedule: shrink_schedule of each slot's largest rank over the modules. token_slot: [T] each
     token's slot (-1: base), for the Mosaic GPU kernels (None: from seg_starts)."""
     assert x.shape[1] == in_features, (x.shape, in_features)
+
+    def stack(v):
+        if not isinstance(v, (list, tuple)):
+            return v if v.shape[0] > 1 else v[0]  # stacked by the caller
+        return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
     if block_t == 1 and mgpu_decode(rows.shape[1], in_features, "shrink"):  # a decode step's (MBGMV)
         from pallas_kernels import lora_mgpu
-        a = a_rows if not isinstance(a_rows, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in a_rows])
-        r = ranks if not isinstance(ranks, (list, tuple)) else jnp.stack([jnp.asarray(v) for v in ranks])
+        a, r = stack(a_rows), stack(ranks)  # to [G, Sa, RA] and [G, Sa], G = 1 included
         a, r = a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1])
         opts = dict(max_rank=max_rank, rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
         if BLOCKS["mgpu"]["per_slot"]:
@@ -816,10 +820,6 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         return jnp.concatenate([lora_shrink_reference(x, rows, a, r, seg_starts, max_rank=max_rank,
                                                       in_features=in_features) for a, r in zip(a_rows, ranks)], 1)
     _check_block_t(block_t, mbgmv=True)
-    def stack(v):
-        if not isinstance(v, (list, tuple)):
-            return v if v.shape[0] > 1 else v[0]  # stacked by the caller
-        return jnp.stack([jnp.asarray(a) for a in v]) if len(v) > 1 else v[0]
     shrink = functools.partial(_shrink, max_rank=max_rank, in_features=in_features, interpret=_interpret(interpret),
                                block_t=block_t, max_programs=max_programs or BLOCKS["shrink"]["max_programs"])
     return shrink(x, rows, stack(a_rows), stack(ranks), seg_starts, schedule)
