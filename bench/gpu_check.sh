@@ -121,32 +121,18 @@ fi
 if has mgpu; then
   # The Mosaic GPU decode pair (pallas_kernels/lora_mgpu.py, BLOCKS["mgpu"], session 16) in one
   # call: its compiled tests (-vv names a failure as it happens), issue 4's point through the
-  # kernels part with each MGPU_BLOCKS setting against the defaults, then the S2 decode profile
+  # sweep part with each MGPU_BLOCKS setting against the defaults, then the S2 decode profile
   # with the first setting against the defaults. Each under its own limit; logs under $OUT/mgpu-*.
   mb=${MGPU_BLOCKS:-'{"mgpu":{"decode":true}} {"mgpu":{"decode":true,"per_slot":false}} {"mgpu":{"decode":true,"shrink_rows":4}} {"mgpu":{"decode":true,"col_tile":1024}}'}
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T_MGPU_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -vv --tb=short \
     tests/test_lora_kernels.py tests/test_engine.py -k mgpu > "$OUT/mgpu-pytest.log" 2>&1
   echo "mgpu pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mgpu-pytest.log" | tail -20
-  : > "$OUT/mgpu-sweep.jsonl"
-  for cfg in '{}' $mb; do
-    timeout "${T_MGPU_SWEEP:-60}" python3 bench/kernels.py --skip attention --modules qkvo --tokens "${MGPU_TOKENS:-64,256}" \
-      --adapters "${MGPU_ADAPTERS:-32,256}" --lora-variants pallas --lora-blocks "$cfg" --device-time --out /tmp/mgpu.json \
-      >> "$OUT/mgpu-sweep.log" 2>&1
-    echo "mgpu sweep $cfg rc=$?"
-    [[ -f /tmp/mgpu.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
-      /tmp/mgpu.json >> "$OUT/mgpu-sweep.jsonl" && rm -f /tmp/mgpu.json
-  done
-  grep -E "^qkvo |device time|Error" "$OUT/mgpu-sweep.log" | tail -30
-  first=$(echo $mb | awk '{print $1}')
-  for cfg in '{}' "$first"; do
-    tag=$([[ $cfg == '{}' ]] && echo defaults || echo mgpu)
-    SLORA_LORA_BLOCKS=$cfg timeout "${T_MGPU_PROFILE:-100}" python3 bench/profile_step.py --model llama-7b --batch 172 \
-      --adapters 156 --ranks 64,32,16,8 --context 430 --backends hybrid/pallas/grouped --out "$OUT/mgpu-profile-$tag.json" \
-      > "$OUT/mgpu-profile-$tag.log" 2>&1
-    echo "mgpu profile $cfg rc=$?"
-    rm -rf /tmp/slora-prof-*
-    grep -v "^W1\|^I1" "$OUT/mgpu-profile-$tag.log" | grep -iE "lora|device time|shrink|expand|Error" | tail -12
-  done
+  # the sweep and profile parts of this script, in folders of their own
+  OUT=$OUT/mgpu-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=${MGPU_TOKENS:-64,256} SWEEP_ADAPTERS=${MGPU_ADAPTERS:-32,256} \
+    SWEEP_VARIANTS=pallas T_SWEEP=${T_MGPU_SWEEP:-60} SWEEP_BLOCKS="{} $mb" PACK=0 XLA_CACHE_SAVE=0 bash "$0" sweep
+  OUT=$OUT/mgpu-profile PROFILE_BATCH=172 PROFILE_CONTEXT=430 PROFILE_ADAPTERS=156 PROFILE_RANKS=64,32,16,8 \
+    PROFILE_BACKENDS=hybrid/pallas/grouped T_PROFILE=${T_MGPU_PROFILE:-100} PROFILE_BLOCKS="{} ${mb%% *}" PACK=0 \
+    XLA_CACHE_SAVE=0 bash "$0" profile
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
 # The device tool brings back at most 8 files from $OUT: a call with more (profiles of several

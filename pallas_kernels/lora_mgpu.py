@@ -70,6 +70,24 @@ def _tiles(max_rank: int) -> int:
     return -(-max_rank // ROWS)
 
 
+def _copy_a_rows(rows_ref, a_rows_ref, a_smem, bar, base, k, n_rows, ra):
+    """Issue the copies of rank rows k*n_rows .. k*n_rows + n_rows - 1 of one A^T into a_smem."""
+    for j in range(n_rows):
+        row = a_rows_ref[base + jnp.minimum(k * n_rows + j, ra - 1)]
+        plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
+
+
+def _store_dots(xa_ref, t, col, a_smem, xv, live, n_rows):
+    """xa[t, col + j] = A^T row j . x[t] for the live rows j < live, 0 past them."""
+    for j in range(n_rows):
+        xa_ref[t, col + j] = jnp.where(j < live, jnp.sum(a_smem[j].astype(jnp.float32) * xv), 0.0)
+
+
+def _store_zeros(xa_ref, t, col, n_rows):
+    for j in range(n_rows):
+        xa_ref[t, col + j] = jnp.float32(0.0)
+
+
 def _shrink_body(slot_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, x_smem, bar, *,
                  n_slots, ra, rw, n_rows):
     t, g, k = (jax.lax.axis_index(n) for n in ("t", "g", "k"))
@@ -83,19 +101,13 @@ def _shrink_body(slot_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_sme
     def _():
         base = (g * n_slots + sc) * ra
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t, 1)], x_smem, bar)  # [1, W // LANE, LANE]
-        for j in range(n_rows):
-            row = a_rows_ref[base + jnp.minimum(k * n_rows + j, ra - 1)]
-            plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
+        _copy_a_rows(rows_ref, a_rows_ref, a_smem, bar, base, k, n_rows, ra)
         plgpu.barrier_wait(bar)
-        xv = x_smem[0].astype(jnp.float32)
-        for j in range(n_rows):
-            d = jnp.sum(a_smem[j].astype(jnp.float32) * xv)
-            xa_ref[t, col + j] = jnp.where(j < live, d, 0.0)
+        _store_dots(xa_ref, t, col, a_smem, x_smem[0].astype(jnp.float32), live, n_rows)
 
     @pl.when(live <= 0)
     def _():
-        for j in range(n_rows):
-            xa_ref[t, col + j] = jnp.float32(0.0)
+        _store_zeros(xa_ref, t, col, n_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "rows_per_program", "interpret"))
@@ -208,23 +220,18 @@ def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a
     @pl.when((live > 0) & (hi > lo))
     def _():
         base = (g * n_slots + sc) * ra
-        for j in range(n_rows):
-            row = a_rows_ref[base + jnp.minimum(k * n_rows + j, ra - 1)]
-            plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1)], a_smem.at[pl.ds(j, 1)], bar)
+        _copy_a_rows(rows_ref, a_rows_ref, a_smem, bar, base, k, n_rows, ra)  # once a slot
         plgpu.barrier_wait(bar)
 
-        def token(t, carry):
-            xv = x_ref[t].astype(jnp.float32)  # [W // LANE, LANE], straight from HBM
-            for j in range(n_rows):
-                xa_ref[t, col + j] = jnp.where(j < live, jnp.sum(a_smem[j].astype(jnp.float32) * xv), 0.0)
+        def token(t, carry):  # x[t] [W // LANE, LANE] straight from HBM
+            _store_dots(xa_ref, t, col, a_smem, x_ref[t].astype(jnp.float32), live, n_rows)
             return carry
         jax.lax.fori_loop(lo, hi, token, 0)
 
     @pl.when(live <= 0)
     def _():
         def zeros(t, carry):
-            for j in range(n_rows):
-                xa_ref[t, col + j] = jnp.float32(0.0)
+            _store_zeros(xa_ref, t, col, n_rows)
             return carry
         jax.lax.fori_loop(lo, hi, zeros, 0)
 
