@@ -198,14 +198,28 @@ def expand(y, xa, rows, b_rows, ranks, slot, *, max_rank: int, xa_col: int = 0, 
 
 # -- one program per slot (BLOCKS["mgpu"]["per_slot"]): a slot's rows are copied once and serve
 # every token of the slot (issue 4: an adapter's weights read once a step for all its tokens).
-# Grid axis 0 runs over the Sa slots plus one more, the base tokens [seg_starts[Sa], T), whose
-# programs write xa's zeros and copy y through, so every output row is written by exactly one
-# program and no output aliasing is needed.
+# Grid axis 0 runs over the Sa slots, then ceil(T / BASE_ROWS) more rows for the base tokens
+# [seg_starts[Sa], T), BASE_ROWS tokens a row, whose programs write xa's zeros and copy y through,
+# so every output row is written by exactly one program and no output aliasing is needed. The base
+# tokens are split over rows because one program's token loop is serial: a decode step padded to
+# its power-of-two bucket (B 172 in a 256-row step) had one program per column tile copy 84 rows
+# of y one after another, ~60 us at the end of every expand launch (session 17: the pair took
+# 8.7 ms of the S2 step against the Triton pair's 5.0).
+
+BASE_ROWS = 8  # base tokens a program row handles
+
+
+def _base_rows(t_total: int) -> int:
+    return -(-t_total // BASE_ROWS)
 
 
 def _segment(seg_ref, s, n_slots: int, t_total: int):
-    """Token range [lo, hi) of program row s: slot s's, or the base tokens' for s == n_slots."""
-    return seg_ref[s], jnp.where(s < n_slots, seg_ref[jnp.minimum(s + 1, n_slots)], t_total)
+    """Token range [lo, hi) of program row s: slot s's for s < n_slots, else base chunk s - n_slots."""
+    slot_lo, slot_hi = seg_ref[jnp.minimum(s, n_slots)], seg_ref[jnp.minimum(s + 1, n_slots)]
+    base_lo = jnp.minimum(seg_ref[n_slots] + (s - n_slots) * BASE_ROWS, t_total)
+    is_slot = s < n_slots
+    return (jnp.where(is_slot, slot_lo, base_lo),
+            jnp.where(is_slot, slot_hi, jnp.minimum(base_lo + BASE_ROWS, t_total)))
 
 
 def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, bar, *,
@@ -247,7 +261,7 @@ def shrink_by_slot(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, rows_pe
     tiles = -(-max_rank // n)
     body = functools.partial(_shrink_slot_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n, t_total=t)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(sa + 1, g, tiles),
+        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(sa + _base_rows(t), g, tiles),
         grid_names=("s", "g", "k"),
         scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.Barrier(num_arrivals=n)],
         interpret=_interpret(interpret))
@@ -289,7 +303,8 @@ def expand_by_slot(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, xa_
     body = functools.partial(_expand_slot_body, n_slots=sa, rb=rb, tiles=tiles, col_tile=col_tile, xa_col=xa_col,
                              t_total=t)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(sa + 1, w // col_tile), grid_names=("s", "c"),
+        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(sa + _base_rows(t), w // col_tile),
+        grid_names=("s", "c"),
         scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
                        plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
         interpret=_interpret(interpret))
