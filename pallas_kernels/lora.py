@@ -133,7 +133,7 @@ BLOCKS = {
     # 4096); per_slot: one program per slot, its rows copied once for all its tokens (False: one
     # per token, a slot's rows re-read from L2 by its later tokens). Lowered to Mosaic GPU on the
     # CPU and checked in its interpreter.
-    "mgpu": dict(decode=False, col_tile=512, shrink_rows=8, per_slot=True),
+    "mgpu": dict(decode=None, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
@@ -813,7 +813,7 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         a, r = a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1])
         opts = dict(max_rank=max_rank, rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
         if BLOCKS["mgpu"]["per_slot"]:
-            return lora_mgpu.shrink_by_slot(x, rows, a, r, seg_starts, **opts)
+            return lora_mgpu.shrink_by_slot(x, rows, a, r, seg_starts, slot_tokens=BLOCKS["mgpu"]["slot_tokens"], **opts)
         return lora_mgpu.shrink(x, rows, a, r, _slots(token_slot, seg_starts, x.shape[0]), **opts)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.
@@ -844,7 +844,8 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
         xa2 = xa.sum(0) if xa.ndim == 3 else xa  # a Triton shrink's split planes
         opts = dict(max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"], interpret=_interpret(interpret))
         if BLOCKS["mgpu"]["per_slot"]:
-            return lora_mgpu.expand_by_slot(y, xa2[:y.shape[0]], rows, b_rows, ranks, seg_starts, **opts)
+            return lora_mgpu.expand_by_slot(y, xa2[:y.shape[0]], rows, b_rows, ranks, seg_starts,
+                                            slot_tokens=BLOCKS["mgpu"]["slot_tokens"], **opts)
         return lora_mgpu.expand(y, xa2[:y.shape[0]], rows, b_rows, ranks, _slots(token_slot, seg_starts, y.shape[0]),
                                 **opts)
     if _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
@@ -900,7 +901,7 @@ def mgpu_decode(width: int, features: int, kind: str) -> bool:
     goes to the Mosaic GPU pair (lora_mgpu.py): where one A^T / B row is one pool row."""
     from pallas_kernels import lora_mgpu
     blocks = BLOCKS["mgpu"]
-    if not blocks["decode"]:
+    if not (blocks["decode"] if blocks["decode"] is not None else lora_mgpu.hopper()):
         return False
     return lora_mgpu.shrink_applies(width, features) if kind == "shrink" else \
         lora_mgpu.expand_applies(width, features, blocks["col_tile"])

@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.lora import _block_schedule
+
 ROWS = 8          # rows a shrink program copies by default, and an expand rank tile's rows
 COL_TILE = 512    # expand: columns a program owns (its shared memory: max_rank x COL_TILE x 2 B)
 LANE = 256        # a TMA copy moves at most 256 elements along each dimension: rows are viewed
@@ -58,6 +60,18 @@ def shrink_applies(width: int, fin: int) -> bool:
 def expand_applies(width: int, fout: int, col_tile: int = COL_TILE) -> bool:
     """Whether the Mosaic GPU expand can take a launch: one B row is one pool row."""
     return fout == width and col_tile % LANE == 0 and width % col_tile == 0
+
+
+def hopper() -> bool:
+    """Whether the default device runs these kernels compiled: a GPU of compute capability 9.0 or
+    later (TMA). BLOCKS["mgpu"]["decode"] None (the default) means this."""
+    d = jax.devices()[0]
+    if d.platform != "gpu":
+        return False
+    try:
+        return float(getattr(d, "compute_capability", "0")) >= 9.0
+    except ValueError:
+        return False
 
 
 def _interpret(interpret):
@@ -196,37 +210,55 @@ def expand(y, xa, rows, b_rows, ranks, slot, *, max_rank: int, xa_col: int = 0, 
     return out.reshape(t, w)
 
 
-# -- one program per slot (BLOCKS["mgpu"]["per_slot"]): a slot's rows are copied once and serve
-# every token of the slot (issue 4: an adapter's weights read once a step for all its tokens).
-# Grid axis 0 runs over the Sa slots, then ceil(T / BASE_ROWS) more rows for the base tokens
-# [seg_starts[Sa], T), BASE_ROWS tokens a row, whose programs write xa's zeros and copy y through,
-# so every output row is written by exactly one program and no output aliasing is needed. The base
-# tokens are split over rows because one program's token loop is serial: a decode step padded to
-# its power-of-two bucket (B 172 in a 256-row step) had one program per column tile copy 84 rows
-# of y one after another, ~60 us at the end of every expand launch (session 17: the pair took
-# 8.7 ms of the S2 step against the Triton pair's 5.0).
+# -- one program per slot block (BLOCKS["mgpu"]["per_slot"]): a slot's rows are copied once and
+# serve up to `slot_tokens` of its tokens (issue 4: an adapter's weights read once a step for the
+# tokens that use it). Grid axis 0 runs over the slot blocks of lora.py's block schedule
+# (`_block_schedule` at block_t = slot_tokens, in the graph: it depends on seg_starts alone, so XLA
+# computes it once a step), then ceil(T / BASE_ROWS) more rows for the base tokens
+# [seg_starts[Sa], T), BASE_ROWS tokens a row, whose programs write xa's zeros and copy y through:
+# every output row is written by exactly one program and no output aliasing is needed.
+# Why blocks and base rows: a program's token loop is serial. With one program per slot, a decode
+# step padded to its power-of-two bucket (B 172 in a 256-row step) had one program per column tile
+# copy 84 rows of y one after another, ~60 us at the end of every expand launch (session 17: the
+# pair took 8.7 ms of the S2 step against the Triton pair's 5.0), and an adapter holding most of a
+# step's tokens would serialise the same way.
 
-BASE_ROWS = 8  # base tokens a program row handles
+BASE_ROWS = 8     # base tokens a program row handles
+SLOT_TOKENS = 4   # a slot block's tokens (BLOCKS["mgpu"]["slot_tokens"])
 
 
 def _base_rows(t_total: int) -> int:
     return -(-t_total // BASE_ROWS)
 
 
-def _segment(seg_ref, s, n_slots: int, t_total: int):
-    """Token range [lo, hi) of program row s: slot s's for s < n_slots, else base chunk s - n_slots."""
-    slot_lo, slot_hi = seg_ref[jnp.minimum(s, n_slots)], seg_ref[jnp.minimum(s + 1, n_slots)]
-    base_lo = jnp.minimum(seg_ref[n_slots] + (s - n_slots) * BASE_ROWS, t_total)
-    is_slot = s < n_slots
-    return (jnp.where(is_slot, slot_lo, base_lo),
-            jnp.where(is_slot, slot_hi, jnp.minimum(base_lo + BASE_ROWS, t_total)))
+def _slot_blocks(seg_starts, t: int, slot_tokens: int):
+    """lora.py's block schedule of every slot with tokens (rank aside: a rank-0 slot's tokens still
+    get their xa zeros): sched [3 * NB] (slot, first token, segment end; row-major), total [1]."""
+    sa = seg_starts.shape[0] - 1
+    sched, total, n = _block_schedule(jnp.ones((sa,), jnp.int32), seg_starts.astype(jnp.int32), t, slot_tokens)
+    return sched.reshape(-1), total, n
 
 
-def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, bar, *,
-                      n_slots, ra, rw, n_rows, t_total):
-    s, g, k = (jax.lax.axis_index(n) for n in ("s", "g", "k"))
+def _segment(sched_ref, total_ref, seg_ref, i, *, n_items: int, n_slots: int, t_total: int, slot_tokens: int):
+    """(slot, lo, hi) of program row i: slot block i's slot and tokens for i < n_items (no tokens
+    past the live total), else base chunk i - n_items with slot n_slots (no adapter)."""
+    ic = jnp.minimum(i, n_items - 1)
+    live = i < total_ref[0]
+    b_lo = sched_ref[n_items + ic]
+    b_hi = jnp.minimum(b_lo + slot_tokens, sched_ref[2 * n_items + ic])
+    base_lo = jnp.minimum(seg_ref[n_slots] + (i - n_items) * BASE_ROWS, t_total)
+    is_item = i < n_items
+    lo = jnp.where(is_item, jnp.where(live, b_lo, 0), base_lo)
+    hi = jnp.where(is_item, jnp.where(live, b_hi, 0), jnp.minimum(base_lo + BASE_ROWS, t_total))
+    return jnp.where(is_item, sched_ref[ic], n_slots), lo, hi
+
+
+def _shrink_slot_body(sched_ref, total_ref, seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a_smem, bar, *,
+                      n_slots, ra, rw, n_rows, t_total, n_items, slot_tokens):
+    i, g, k = (jax.lax.axis_index(n) for n in ("s", "g", "k"))
+    s, lo, hi = _segment(sched_ref, total_ref, seg_ref, i, n_items=n_items, n_slots=n_slots, t_total=t_total,
+                         slot_tokens=slot_tokens)
     sc = jnp.minimum(s, n_slots - 1)
-    lo, hi = _segment(seg_ref, s, n_slots, t_total)
     r = jnp.where(s < n_slots, ranks_ref[g * n_slots + sc], 0)
     live = r - k * n_rows
     col = g * rw + k * n_rows
@@ -234,7 +266,7 @@ def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a
     @pl.when((live > 0) & (hi > lo))
     def _():
         base = (g * n_slots + sc) * ra
-        _copy_a_rows(rows_ref, a_rows_ref, a_smem, bar, base, k, n_rows, ra)  # once a slot
+        _copy_a_rows(rows_ref, a_rows_ref, a_smem, bar, base, k, n_rows, ra)  # once a block
         plgpu.barrier_wait(bar)
 
         def token(t, carry):  # x[t] [W // LANE, LANE] straight from HBM
@@ -250,35 +282,39 @@ def _shrink_slot_body(seg_ref, ranks_ref, a_rows_ref, x_ref, rows_ref, xa_ref, a
         jax.lax.fori_loop(lo, hi, zeros, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_rank", "rows_per_program", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_rank", "rows_per_program", "slot_tokens", "interpret"))
 def shrink_by_slot(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, rows_per_program: int = ROWS,
-                   interpret=None):
-    """`shrink` with one program per (slot, module, rank tile) instead of per token: the same xa.
-    seg_starts [Sa + 1] (seg_starts[0] == 0): slot s owns tokens [seg_starts[s], seg_starts[s+1])."""
+                   slot_tokens: int = SLOT_TOKENS, interpret=None):
+    """`shrink` with one program per (slot block, module, rank tile) instead of per token: the same
+    xa. seg_starts [Sa + 1] (seg_starts[0] == 0): slot s owns tokens [seg_starts[s], seg_starts[s+1]);
+    a slot block is up to slot_tokens of them."""
     t, w = x.shape
     g, sa, ra = a_rows.shape
     n = rows_per_program
     tiles = -(-max_rank // n)
-    body = functools.partial(_shrink_slot_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n, t_total=t)
+    sched, total, n_items = _slot_blocks(seg_starts, t, slot_tokens)
+    body = functools.partial(_shrink_slot_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n, t_total=t,
+                             n_items=n_items, slot_tokens=slot_tokens)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(sa + _base_rows(t), g, tiles),
-        grid_names=("s", "g", "k"),
+        body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32),
+        grid=(n_items + _base_rows(t), g, tiles), grid_names=("s", "g", "k"),
         scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.Barrier(num_arrivals=n)],
         interpret=_interpret(interpret))
-    return kernel(seg_starts.astype(jnp.int32), ranks.reshape(-1).astype(jnp.int32),
+    return kernel(sched, total, seg_starts.astype(jnp.int32), ranks.reshape(-1).astype(jnp.int32),
                   a_rows.reshape(-1).astype(jnp.int32), x.reshape(t, w // LANE, LANE),
                   rows.reshape(rows.shape[0], w // LANE, LANE))
 
 
-def _expand_slot_body(seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, b_smem, bars, *,
-                      n_slots, rb, tiles, col_tile, xa_col, t_total):
-    s, c = jax.lax.axis_index("s"), jax.lax.axis_index("c")
+def _expand_slot_body(sched_ref, total_ref, seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, b_smem,
+                      bars, *, n_slots, rb, tiles, col_tile, xa_col, t_total, n_items, slot_tokens):
+    i, c = jax.lax.axis_index("s"), jax.lax.axis_index("c")
+    s, lo, hi = _segment(sched_ref, total_ref, seg_ref, i, n_items=n_items, n_slots=n_slots, t_total=t_total,
+                         slot_tokens=slot_tokens)
     sc = jnp.minimum(s, n_slots - 1)
-    lo, hi = _segment(seg_ref, s, n_slots, t_total)
     r = jnp.where(s < n_slots, ranks_ref[sc], 0)
     n_tiles = jnp.where(hi > lo, (r + ROWS - 1) // ROWS, 0)
     cols = pl.ds(c * (col_tile // LANE), col_tile // LANE)
-    _copy_b_tiles(rows_ref, b_rows_ref, b_smem, bars, sc * rb, rb, tiles, n_tiles, cols)  # once a slot
+    _copy_b_tiles(rows_ref, b_rows_ref, b_smem, bars, sc * rb, rb, tiles, n_tiles, cols)  # once a block
     for k in range(tiles):
         @pl.when(k < n_tiles)
         def _():
@@ -292,22 +328,24 @@ def _expand_slot_body(seg_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, o
     jax.lax.fori_loop(lo, hi, token, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_rank", "xa_col", "col_tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_rank", "xa_col", "col_tile", "slot_tokens", "interpret"))
 def expand_by_slot(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, xa_col: int = 0,
-                   col_tile: int = COL_TILE, interpret=None):
-    """`expand` with one program per (slot, column tile) instead of per token: the same y."""
+                   col_tile: int = COL_TILE, slot_tokens: int = SLOT_TOKENS, interpret=None):
+    """`expand` with one program per (slot block, column tile) instead of per token: the same y."""
     t, w = y.shape
     sa, rb = b_rows.shape
     tiles = _tiles(max_rank)
     lanes = (w // LANE, LANE)
+    sched, total, n_items = _slot_blocks(seg_starts, t, slot_tokens)
     body = functools.partial(_expand_slot_body, n_slots=sa, rb=rb, tiles=tiles, col_tile=col_tile, xa_col=xa_col,
-                             t_total=t)
+                             t_total=t, n_items=n_items, slot_tokens=slot_tokens)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(sa + _base_rows(t), w // col_tile),
+        body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(n_items + _base_rows(t), w // col_tile),
         grid_names=("s", "c"),
         scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
                        plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
         interpret=_interpret(interpret))
-    out = kernel(seg_starts.astype(jnp.int32), ranks.astype(jnp.int32), b_rows.reshape(-1).astype(jnp.int32),
-                 xa.astype(jnp.float32), rows.reshape(rows.shape[0], *lanes), y.reshape(t, *lanes))
+    out = kernel(sched, total, seg_starts.astype(jnp.int32), ranks.astype(jnp.int32),
+                 b_rows.reshape(-1).astype(jnp.int32), xa.astype(jnp.float32), rows.reshape(rows.shape[0], *lanes),
+                 y.reshape(t, *lanes))
     return out.reshape(t, w)

@@ -669,10 +669,13 @@ def test_mgpu_pair_matches_dense(monkeypatch, modules):
         assert_applied(got[g], ys[g], arr0, a_mats, b_mats, seg, rk, MGPU_CASE.fout, jnp.float32)
 
 
-@pytest.mark.parametrize("per_slot", [True, False], ids=["per_slot", "per_token"])
+@pytest.mark.parametrize("per_slot,slot_tokens", [(True, 4), (True, 2), (False, None)],
+                         ids=["per_slot", "per_slot_blocks_of_2", "per_token"])
 @pytest.mark.parametrize("rows_per_program", [8, 16])
-def test_mgpu_kernels_alone(rows_per_program, per_slot):
-    """Each Mosaic GPU kernel on its own contract, in both forms (a program per slot or per token).
+def test_mgpu_kernels_alone(rows_per_program, per_slot, slot_tokens):
+    """Each Mosaic GPU kernel on its own contract, in both forms (a program per slot block or per
+    token; blocks of 2 split the case's 3-token slot over two programs, and its 28 base tokens take
+    4 base rows).
     shrink: xa matches the reference for live rank
     columns and is exactly 0 past every token's rank and on base tokens (rows past a rank are read
     from the garbage the index points at). expand: reads nothing of xa past a token's rank (xa
@@ -684,7 +687,7 @@ def test_mgpu_kernels_alone(rows_per_program, per_slot):
     if per_slot:
         xa = lora_mgpu.shrink_by_slot(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None],
                                       arr["seg_starts"], max_rank=MGPU_RANK, rows_per_program=rows_per_program,
-                                      interpret=True)
+                                      slot_tokens=slot_tokens, interpret=True)
     else:
         xa = lora_mgpu.shrink(arr["x"], arr["rows"], arr["a_rows"][None], arr["ranks"][None], slot,
                               max_rank=MGPU_RANK, rows_per_program=rows_per_program, interpret=True)
@@ -698,7 +701,7 @@ def test_mgpu_kernels_alone(rows_per_program, per_slot):
     y = jnp.asarray(np.random.default_rng(3).normal(size=(TOKENS, MGPU_CASE.fout)), jnp.float32)
     if per_slot:
         got = lora_mgpu.expand_by_slot(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"],
-                                       max_rank=MGPU_RANK, col_tile=256, interpret=True)
+                                       max_rank=MGPU_RANK, col_tile=256, slot_tokens=slot_tokens, interpret=True)
     else:
         got = lora_mgpu.expand(y, noisy, arr["rows"], arr["b_rows"], arr["ranks"], slot, max_rank=MGPU_RANK,
                                col_tile=256, interpret=True)
@@ -714,10 +717,32 @@ def test_mgpu_pair_only_where_it_applies(monkeypatch):
     assert not lora_mgpu.shrink_applies(4096, 11008)     # down_proj's A^T rows span pool rows
     assert not lora_mgpu.expand_applies(4096, 11008)     # gate/up's B rows do too
     assert not lora_mgpu.expand_applies(384, 384, col_tile=256)
-    assert not lora.mgpu_decode(256, 256, "shrink")      # off by default
+    assert lora.mgpu_decode(256, 256, "shrink") == lora_mgpu.hopper()  # by default: Hopper GPUs only
     _mgpu_on(monkeypatch)
     assert lora.mgpu_decode(256, 256, "shrink") and lora.mgpu_decode(256, 256, "expand")
     assert not lora.mgpu_decode(256, 512, "shrink") and not lora.mgpu_decode(256, 512, "expand")
+
+
+def test_mgpu_by_default_on_hopper_only(monkeypatch):
+    """BLOCKS["mgpu"]["decode"] None (the default): the pair is taken on a GPU of compute capability
+    9.0 or later (TMA), never on the CPU or an older GPU; True / False force it either way."""
+    from pallas_kernels import lora_mgpu
+
+    class Dev:
+        def __init__(self, platform, cc=None):
+            self.platform = platform
+            if cc is not None:
+                self.compute_capability = cc
+    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": None})
+    for dev, want in ((Dev("cpu"), False), (Dev("gpu", "8.0"), False), (Dev("gpu", "9.0"), True),
+                      (Dev("gpu", "10.0"), True), (Dev("gpu"), False)):
+        monkeypatch.setattr(lora_mgpu.jax, "devices", lambda d=dev: [d])
+        assert lora_mgpu.hopper() is want and lora.mgpu_decode(256, 256, "expand") is want, dev.__dict__
+    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": False})
+    assert not lora.mgpu_decode(256, 256, "shrink")
+    monkeypatch.setattr(lora_mgpu.jax, "devices", lambda: [Dev("cpu")])
+    monkeypatch.setitem(lora.BLOCKS, "mgpu", {**lora.BLOCKS["mgpu"], "decode": True})
+    assert lora.mgpu_decode(256, 256, "shrink")
 
 
 @pytest.mark.parametrize("path", ["mgpu_shrink_triton_expand", "triton_shrink_mgpu_expand", "prefill"])
