@@ -126,14 +126,21 @@ BLOCKS = {
     # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.1-10.4 us,
     # shrink + expand 19.1 -> 19.7-20.0 us of device time (bench/results/20261130-9c2b778/).
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
-    # mgpu (off, session 16, not yet timed on a GPU): a decode step's shrink (block_t 1) and its
-    # expands as the Mosaic GPU pair of lora_mgpu.py, each program's pool rows gathered by TMA,
-    # where one A^T / B row is one pool row (q, k, v, o of llama-7b at W 4096); col_tile: the
-    # expand's columns a program; shrink_rows: A^T rows a shrink program copies (8 KB each at W
-    # 4096); per_slot: one program per slot, its rows copied once for all its tokens (False: one
-    # per token, a slot's rows re-read from L2 by its later tokens). Lowered to Mosaic GPU on the
-    # CPU and checked in its interpreter.
-    "mgpu": dict(decode=None, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
+    # mgpu (off): a decode step's shrink (block_t 1) and its expands as the Mosaic GPU pair of
+    # lora_mgpu.py, each program's pool rows gathered by TMA, where one A^T / B row is one pool row
+    # (q, k, v, o of llama-7b at W 4096). decode: True / False, or None for "on Hopper and later
+    # GPUs" (lora_mgpu.hopper); col_tile: the expand's columns a program; shrink_rows: A^T rows a
+    # shrink program copies (8 KB each at W 4096); per_slot: one program per slot block of up to
+    # slot_tokens tokens, its rows copied once for them (False: one per token). H200, session 17
+    # (bench/results/20261130-0901b06/), LoRA kernels of a llama-7b decode step, ms, Triton pair /
+    # this pair: S2's B 172 x 156 adapters (~1.1 tokens an adapter) 5.00-5.04 / 4.79 (-5%, device
+    # step -0.5%); B 256 x 64 adapters (4 an adapter) 4.01 / 4.47 (+12%, device step +2%). Issue
+    # 4's point (64 x 32, us of device time): 19.7 / 19.8 + 4.7 of schedule ops; 256 x 256: 71.8 /
+    # 52.5 + 8. Settings (S2 step): shrink_rows 8 / 4 and col_tile 512 / 256: 4.75-4.76 / 4.66-4.69;
+    # slot blocks of 4 tokens cost 0.13 ms there and save 11 us of 46 at 256 x 32. It loses where
+    # adapters hold several tokens each (its dots are full reductions, one per A^T row and token),
+    # so it stays off; the engine would need the step's tokens-per-adapter to pick per step.
+    "mgpu": dict(decode=False, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program

@@ -717,14 +717,14 @@ def test_mgpu_pair_only_where_it_applies(monkeypatch):
     assert not lora_mgpu.shrink_applies(4096, 11008)     # down_proj's A^T rows span pool rows
     assert not lora_mgpu.expand_applies(4096, 11008)     # gate/up's B rows do too
     assert not lora_mgpu.expand_applies(384, 384, col_tile=256)
-    assert lora.mgpu_decode(256, 256, "shrink") == lora_mgpu.hopper()  # by default: Hopper GPUs only
+    assert not lora.mgpu_decode(256, 256, "shrink")      # off by default
     _mgpu_on(monkeypatch)
     assert lora.mgpu_decode(256, 256, "shrink") and lora.mgpu_decode(256, 256, "expand")
     assert not lora.mgpu_decode(256, 512, "shrink") and not lora.mgpu_decode(256, 512, "expand")
 
 
 def test_mgpu_by_default_on_hopper_only(monkeypatch):
-    """BLOCKS["mgpu"]["decode"] None (the default): the pair is taken on a GPU of compute capability
+    """BLOCKS["mgpu"]["decode"] None ("auto"): the pair is taken on a GPU of compute capability
     9.0 or later (TMA), never on the CPU or an older GPU; True / False force it either way."""
     from pallas_kernels import lora_mgpu
 
