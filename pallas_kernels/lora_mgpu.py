@@ -143,7 +143,7 @@ def shrink(x, rows, a_rows, ranks, slot, *, max_rank: int, rows_per_program: int
     body = functools.partial(_shrink_body, n_slots=sa, ra=ra, rw=tiles * n, n_rows=n)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32), grid=(t, g, tiles),
-        grid_names=("t", "g", "k"),
+        grid_names=("t", "g", "k"), kernel_name="lora_shrink_mgpu",
         scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.SMEM((1, w // LANE, LANE), x.dtype),
                        plgpu.Barrier(num_arrivals=n + 1)],
         interpret=_interpret(interpret))
@@ -204,6 +204,7 @@ def expand(y, xa, rows, b_rows, ranks, slot, *, max_rank: int, xa_col: int = 0, 
     body = functools.partial(_expand_body, rb=rb, tiles=tiles, col_tile=col_tile, xa_col=xa_col)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(t, w // col_tile), grid_names=("t", "c"),
+        kernel_name="lora_expand_mgpu",
         scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
                        plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
         interpret=_interpret(interpret))
@@ -299,7 +300,7 @@ def shrink_by_slot(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, rows_pe
                              n_items=n_items, slot_tokens=slot_tokens)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((t, g * tiles * n), jnp.float32),
-        grid=(n_items + _base_rows(t), g, tiles), grid_names=("s", "g", "k"),
+        grid=(n_items + _base_rows(t), g, tiles), grid_names=("s", "g", "k"), kernel_name="lora_shrink_mgpu",
         scratch_types=[plgpu.SMEM((n, w // LANE, LANE), rows.dtype), plgpu.Barrier(num_arrivals=n)],
         interpret=_interpret(interpret))
     return kernel(sched, total, seg_starts.astype(jnp.int32), ranks.reshape(-1).astype(jnp.int32),
@@ -343,7 +344,7 @@ def expand_by_slot(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, xa_
                              t_total=t, n_items=n_items, slot_tokens=slot_tokens)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((t, *lanes), y.dtype), grid=(n_items + _base_rows(t), w // col_tile),
-        grid_names=("s", "c"),
+        grid_names=("s", "c"), kernel_name="lora_expand_mgpu",
         scratch_types=[plgpu.SMEM((tiles, ROWS, col_tile // LANE, LANE), rows.dtype),
                        plgpu.Barrier(num_arrivals=ROWS, num_barriers=tiles)],
         interpret=_interpret(interpret))

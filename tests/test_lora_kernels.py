@@ -795,8 +795,9 @@ def test_mgpu_pair_lowers_for_gpu(shrink_rows, col_tile, per_slot):
     expand = jax.jit(lambda *a: expand_fn(*a, max_rank=r, xa_col=r, col_tile=col_tile, interpret=False)).trace(
         x, xa, rows, jax.ShapeDtypeStruct((sa, r), jnp.int32), jax.ShapeDtypeStruct((sa,), jnp.int32), index).lower(
         lowering_platforms=("cuda",)).as_text()
-    for text in (shrink, expand):
-        assert "mosaic_gpu" in text, text[:2000]
+    # named, so a device trace tells the shrink from the expand (bench/profile_step.py)
+    for text, name in ((shrink, "lora_shrink_mgpu"), (expand, "lora_expand_mgpu")):
+        assert "mosaic_gpu" in text and name in text, text[:2000]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
