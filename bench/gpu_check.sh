@@ -4,11 +4,12 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|dispatch|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
 # bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
 # settings through bench/kernels.py --lora-blocks; mgpu: the Mosaic GPU decode pair's tests, issue 4's
-# point and the S2 decode profile with it; none of these is in "all")
+# point and the S2 decode profile with it; dispatch: bench/graph_dispatch.py under CUDA-graph
+# concurrency; none of these is in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -133,6 +134,20 @@ if has mgpu; then
   OUT=$OUT/mgpu-profile PROFILE_BATCH=172 PROFILE_CONTEXT=430 PROFILE_ADAPTERS=156 PROFILE_RANKS=64,32,16,8 \
     PROFILE_BACKENDS=hybrid/pallas/grouped T_PROFILE=${T_MGPU_PROFILE:-100} PROFILE_BLOCKS="{} ${mb%% *}" PACK=0 \
     XLA_CACHE_SAVE=0 bash "$0" profile
+fi
+if has dispatch; then
+  # Does a step's dispatch wait for the step before it under CUDA-graph concurrency (session 16),
+  # and do two executables used in turn avoid it? bench/graph_dispatch.py, a stand-in step, with
+  # and without CONCURRENT scheduling, one and two copies; one process each (flags at start-up).
+  for mode in "" "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"; do
+    for copies in 1 2; do
+      tag=$([[ -n $mode ]] && echo concurrent || echo default)-c$copies
+      XLA_FLAGS=$mode timeout "${T_DISPATCH:-60}" python3 bench/graph_dispatch.py --copies $copies \
+        --out "$OUT/graph_dispatch-$tag.json" > "$OUT/graph_dispatch-$tag.log" 2>&1
+      echo "graph_dispatch $tag rc=$?"
+      grep -E '"(serial_us_per_step|overlapped_us_per_step|dispatch_us_median|distinct_executables)"' "$OUT/graph_dispatch-$tag.log"
+    done
+  done
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
 # The device tool brings back at most 8 files from $OUT: a call with more (profiles of several
