@@ -100,17 +100,19 @@ def main(argv=None) -> dict:
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     rng = np.random.default_rng(0)
     w, r, t = args.width, args.rank, args.tokens
-    ws = [jnp.asarray(rng.normal(size=(w, w)) / np.sqrt(w), dtype) for _ in range(args.layers)]
-    vs = [(jnp.asarray(rng.normal(size=(w, r)) / np.sqrt(w), dtype), jnp.asarray(rng.normal(size=(r, w)) / np.sqrt(r),
-                                                                                 dtype))
-          for _ in range(args.layers)]
+
+    def normal(rows, cols):
+        return jnp.asarray(rng.normal(size=(rows, cols)) / np.sqrt(rows), dtype)
+    ws = [normal(w, w) for _ in range(args.layers)]
+    vs = [(normal(w, r), normal(r, w)) for _ in range(args.layers)]
     xs = [jnp.asarray(rng.normal(size=(t, w)), dtype) for _ in range(4)]
     state = jnp.asarray(rng.normal(size=(64, w)), dtype)
     fns = compiled_copies(make_step(args.layers), args.copies, (state, ws, vs, xs[0]))
     state, _, _ = overlapped(fns, state, ws, vs, xs, 2 * args.copies + 2)  # first runs (graph capture)
     state, serial_us = serial(fns, state, ws, vs, xs, args.iters)
     state, dispatch, wall_us = overlapped(fns, state, ws, vs, xs, args.iters)
-    out = dict(commit=git_commit(), device=str(jax.devices()[0].device_kind), jax=jax.__version__, command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""),
+    out = dict(commit=git_commit(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+               command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""),
                copies=args.copies, layers=args.layers, tokens=t, width=w, rank=r, iters=args.iters,
                serial_us_per_step=serial_us, overlapped_us_per_step=wall_us,
                dispatch_us_median=statistics.median(dispatch), dispatch_us_mean=statistics.fmean(dispatch),

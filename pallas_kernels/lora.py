@@ -820,7 +820,8 @@ def lora_shrink_group(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, in_f
         a, r = a.reshape(-1, *a.shape[-2:]), r.reshape(-1, r.shape[-1])
         opts = dict(max_rank=max_rank, rows_per_program=BLOCKS["mgpu"]["shrink_rows"], interpret=_interpret(interpret))
         if BLOCKS["mgpu"]["per_slot"]:
-            return lora_mgpu.shrink_by_slot(x, rows, a, r, seg_starts, slot_tokens=BLOCKS["mgpu"]["slot_tokens"], **opts)
+            return lora_mgpu.shrink_by_slot(x, rows, a, r, seg_starts, slot_tokens=BLOCKS["mgpu"]["slot_tokens"],
+                                            **opts)
         return lora_mgpu.shrink(x, rows, a, r, _slots(token_slot, seg_starts, x.shape[0]), **opts)
     if _col_tile(rows.shape[1], in_features, BLOCKS["shrink"]["col_tile"]) < 16:
         # No column tile of >= 16 (Triton's smallest dot side) divides both W and `in`: toy widths.

@@ -11,10 +11,10 @@ tile of B) in flight before it computes anything.
 Scope. Decode steps (the engine's block_t 1 launches). Two forms: one program per slot
 block (`shrink_by_slot`, `expand_by_slot`; BLOCKS["mgpu"]["per_slot"], the default), which copies
 the slot's rows once and loops over up to `slot_tokens` of the slot's tokens, so an adapter's
-weights are read once a step for every block of its tokens; or one program per token (`shrink`, `expand`), whose tokens of one adapter
-re-read its rows (from L2 after the first). The kernels apply where one
-A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W or `out` == W
-(llama-7b's q, k, v and o at W 4096: S-LoRA's S1-S4 adapters). Everything else takes lora.py's
+weights are read once a step for every block of its tokens; or one program per token (`shrink`,
+`expand`), whose tokens of one adapter re-read its rows (from L2 after the first). The kernels
+apply where one A^T row (shrink) or one B row (expand) is exactly one pool row, i.e. `in` == W or
+`out` == W (llama-7b's q, k, v and o at W 4096: S-LoRA's S1-S4 adapters). Everything else takes lora.py's
 kernels (`shrink_applies`, `expand_applies`; each launch decides alone, and either expand reads
 either shrink's xa).
 
@@ -66,7 +66,7 @@ def expand_applies(width: int, fout: int, col_tile: int = COL_TILE) -> bool:
 
 def hopper() -> bool:
     """Whether the default device runs these kernels compiled: a GPU of compute capability 9.0 or
-    later (TMA). BLOCKS["mgpu"]["decode"] None (the default) means this."""
+    later (TMA): what BLOCKS["mgpu"]["decode"] None means."""
     d = jax.devices()[0]
     if d.platform != "gpu":
         return False
