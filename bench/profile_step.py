@@ -94,6 +94,25 @@ def idle_by_phase(device: list[dict], phases: list[dict], steps: int, min_gap_us
     return {k: v / steps for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+def by_stream(events: list[dict], steps: int, top: int = 3) -> dict:
+    """Events a step by device track (a GPU stream: the trace's thread id), each with its busiest
+    names: which work ran off the compute stream (host->device copies of adapter rows, say) and
+    how long it took."""
+    streams = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+    for e in events:
+        v = streams[str(e.get("tid", "?"))][e.get("name", "?")]
+        v[0] += 1
+        v[1] += float(e.get("dur", 0.0))
+    out = {}
+    for tid, names in sorted(streams.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
+        busiest = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+        out[tid] = {"per_step": sum(v[0] for v in names.values()) / steps,
+                    "us_per_step": sum(v[1] for v in names.values()) / steps,
+                    "top": [{"name": n[:80], "per_step": c / steps, "us_per_step": us / steps}
+                            for n, (c, us) in busiest]}
+    return out
+
+
 def summarize(events: list[dict], steps: int, top: int) -> dict:
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_kind = collections.defaultdict(lambda: [0, 0.0])
@@ -115,6 +134,7 @@ def summarize(events: list[dict], steps: int, top: int) -> dict:
         "by_kind": {k: {"per_step": n / steps, "us_per_step": us / steps, "share": us / total if total else 0.0}
                     for k, (n, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "top": [{"name": n[:160], "per_step": c / steps, "us_per_step": us / steps} for n, (c, us) in names],
+        "by_stream": by_stream(events, steps),
     }
 
 

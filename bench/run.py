@@ -524,6 +524,11 @@ def table(result: dict) -> str:
             if idle:
                 rows.append(("traced device idle by host phase, ms a step",
                              ", ".join(f"{k} {v / 1e3:.2f}" for k, v in idle.items())))
+            streams = st.get("by_stream") or {}
+            if len(streams) > 1:  # work off the compute stream (adapter rows' host->device copies)
+                rows.append(("traced device tracks, ms a step (busiest name)",
+                             ", ".join(f"{tid}: {v['us_per_step'] / 1e3:.2f} ({v['top'][0]['name'][:24]})"
+                                       for tid, v in streams.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join([head, *(f"  {k:<{width}}  {_fmt(v)}" for k, v in rows)])
 

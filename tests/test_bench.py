@@ -189,6 +189,7 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert st["steps"] == 4 and st["kernels_per_step"] > 0 and st["device_us_per_step"] > 0
     assert 0 < st["busy_us_per_step"] <= st["span_us_per_step"] and st["wall_us_per_step"] > 0
     assert st["steps_by_kind"]["prefill_steps"] + st["steps_by_kind"]["decode_steps"] <= 4
+    assert sum(v["us_per_step"] for v in st["by_stream"].values()) == pytest.approx(st["device_us_per_step"])
     # the CPU loop is not overlapped: between steps the device waits on the engine's host phases,
     # which the trace names (engine._phase)
     idle = st["idle_by_host_phase_us"]
@@ -504,6 +505,20 @@ def test_idle_by_phase_splits_each_gap_among_the_host_phases():
     # gap 20-100: schedule 40, inputs 30, 10 of no phase; gap 110-115 is short; gap 120-300: 30
     # of no phase before device_wait's 150 in it
     assert got == {"device_wait": 75.0, "no phase": 20.0, "schedule": 20.0, "inputs": 15.0, "short gaps": 2.5}
+
+
+def test_summary_by_stream_separates_device_tracks():
+    """profile_step.summarize's by_stream: events a step and time a step per device track (a
+    trace's thread id: a GPU stream), busiest track first, each with its busiest names."""
+    from bench.profile_step import summarize
+    ev = [{"tid": 7, "name": "fusion_1", "ts": 0, "dur": 10}, {"tid": 7, "name": "gemm", "ts": 10, "dur": 30},
+          {"tid": 7, "name": "fusion_1", "ts": 40, "dur": 10}, {"tid": 9, "name": "MemcpyHtoD", "ts": 5, "dur": 16}]
+    got = summarize(ev, steps=2, top=5)["by_stream"]
+    assert list(got) == ["7", "9"]
+    assert got["7"]["per_step"] == 1.5 and got["7"]["us_per_step"] == 25.0
+    assert [t["name"] for t in got["7"]["top"]] == ["gemm", "fusion_1"]
+    assert got["9"] == {"per_step": 0.5, "us_per_step": 8.0,
+                        "top": [{"name": "MemcpyHtoD", "per_step": 0.5, "us_per_step": 8.0}]}
 
 
 def test_hlo_commands_counts_a_compiled_entry():
