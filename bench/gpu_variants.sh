@@ -6,6 +6,7 @@
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s2     # issue 5's scheduler runs + issue 7's S2 ratio
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh s1     # issue 7: S1 n=2000 offered-rate sweep
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh host   # issue 7: host time in the unified step
+#   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh trace  # issue 7: a device trace of S2 serving steps, unified and base
 #   SLORA_COMMIT=<sha> BLOCKS_B='<json>' bash bench/gpu_variants.sh blocks  # LoRA kernel settings, same run
 #
 # Results: $RESULTS_DIR, else bench/results/<date>-<commit>/ (the folder gpu_suite.sh uses), copied
@@ -19,7 +20,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|blocks}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|blocks}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -162,6 +163,20 @@ case $group in
       --variant "S2-unified-n1000-R40${TAG:-}:${short[*]}" \
       --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
       2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-capacity${TAG:-}.log"
+    ;;
+  trace)
+    # The S2 capacity pair with a device trace of 40 serving steps from 15 s on (~12 of them
+    # prefill steps): where the unified engine's prefill steps spend ~7 ms more than the base
+    # model's in serving (session 16: 23.9 against 16.8 ms) when a bare profile shows ~2.9.
+    # pool.serving_trace: kernels summed a step, the device's idle time by host phase, and the
+    # device tracks (by_stream: adapter rows' host->device copies, if they run off the compute
+    # stream, show there). The trace slows the traced steps; compare the two variants, not the
+    # untraced runs.
+    short=(--warmup-s 5 --no-requests --rate 40 --trace-steps 40 --trace-after-s 15)
+    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "S2-unified-n1000-R40-traced${TAG:-}:${short[*]}" \
+      --variant "S2-base-R40-traced${TAG:-}:--mode base ${short[*]}" \
+      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-trace${TAG:-}.log"
     ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
