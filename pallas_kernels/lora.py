@@ -166,9 +166,10 @@ BLOCKS = {
 # found ... only reachable through embedded calls"): removed. XLA's CUDA-graph data-flow
 # concurrency (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT) does run the LoRA kernels
 # beside the base matmuls: the S2 decode step's traced span 23.59 -> 22.56 ms (the base model's
-# 18.53 -> 18.49), but in serving each step's dispatch then waits for the step before (a command
-# buffer is updated only once its last launch is done), and S2's unified req/s went 20.53 -> 19.77
-# (bench/results/20261130-5fbfb6a/s2-capacity-flags/).
+# 18.53 -> 18.49), but in serving each step's dispatch then waits for the step before, and S2's
+# unified req/s went 20.53 -> 19.77 (bench/results/20261130-5fbfb6a/s2-capacity-flags/). Why the
+# dispatch waits is not yet known; bench/graph_dispatch.py tests whether two executables used in
+# turn avoid it (one graph's launches are ordered behind each other).
 # prefetch_next (shrink and expand; on): a manual two-stage pipeline in the column-chunk (shrink) and
 # rank-tile (expand) loops, the next trip's gathers issued before this trip's product (`_loop`).
 # compact_tiles (shrink; on): one program per live (block, rank tile) item instead of one per
@@ -850,7 +851,8 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
     if decode and mgpu_decode(rows.shape[1], out_features, "expand"):
         from pallas_kernels import lora_mgpu
         xa2 = xa.sum(0) if xa.ndim == 3 else xa  # a Triton shrink's split planes
-        opts = dict(max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"], interpret=_interpret(interpret))
+        opts = dict(max_rank=max_rank, xa_col=xa_col, col_tile=BLOCKS["mgpu"]["col_tile"],
+                    interpret=_interpret(interpret))
         if BLOCKS["mgpu"]["per_slot"]:
             return lora_mgpu.expand_by_slot(y, xa2[:y.shape[0]], rows, b_rows, ranks, seg_starts,
                                             slot_tokens=BLOCKS["mgpu"]["slot_tokens"], **opts)
