@@ -4,12 +4,13 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|dispatch|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|dispatch|ncu|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
 # bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
 # settings through bench/kernels.py --lora-blocks; mgpu: the Mosaic GPU decode pair's tests, issue 4's
 # point and the S2 decode profile with it; dispatch: bench/graph_dispatch.py under CUDA-graph
-# concurrency; none of these is in "all")
+# concurrency; ncu: the LoRA pair's hardware counters (bench/ncu_lora.py under Nsight Compute);
+# none of these is in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -147,6 +148,23 @@ if has dispatch; then
       echo "graph_dispatch $tag rc=$?"
       grep -E '"(serial_us_per_step|overlapped_us_per_step|dispatch_us_median|distinct_executables)"' "$OUT/graph_dispatch-$tag.log"
     done
+  done
+fi
+if has ncu; then
+  # Hardware counters of the LoRA pair (bench/ncu_lora.py) and of a copy of the same bytes, under
+  # Nsight Compute: DRAM throughput, occupancy, warp stalls. NCU_BLOCKS: LoRA kernel settings
+  # (SLORA_LORA_BLOCKS) a run each, "{}" the defaults; NCU_CASES: TOKENSxADAPTERS list.
+  i=0
+  for cfg in ${NCU_BLOCKS:-'{}'}; do
+    SLORA_LORA_BLOCKS=$cfg timeout "${T_NCU:-240}" ncu --clock-control none --kernel-name "regex:lora|multiply" \
+      --launch-count "${NCU_COUNT:-40}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+      --csv --page details --print-units base \
+      python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --out "$OUT/ncu_lora-$i.json" \
+      > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
+    echo "ncu setting $i ($cfg) rc=$?"; tail -3 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
+    i=$((i + 1))
   done
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
