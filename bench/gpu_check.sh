@@ -151,17 +151,19 @@ if has dispatch; then
   done
 fi
 if has ncu; then
-  # Hardware counters of the LoRA pair (bench/ncu_lora.py) and of a copy of the same bytes, under
-  # Nsight Compute: DRAM throughput, occupancy, warp stalls. NCU_BLOCKS: LoRA kernel settings
-  # (SLORA_LORA_BLOCKS) a run each, "{}" the defaults; NCU_CASES: TOKENSxADAPTERS list.
+  # Hardware counters of the LoRA pair (bench/ncu_lora.py) under Nsight Compute: DRAM throughput,
+  # occupancy, warp stalls. NCU_KERNELS: the kernel-name regex ("^lora|multiply" adds the
+  # same-bytes copy); NCU_BLOCKS: LoRA kernel settings (SLORA_LORA_BLOCKS), a run each, "{}" the
+  # defaults; NCU_CASES: TOKENSxADAPTERS list, each run NCU_REPS times.
   i=0
   for cfg in ${NCU_BLOCKS:-'{}'}; do
-    SLORA_LORA_BLOCKS=$cfg timeout "${T_NCU:-240}" ncu --clock-control none --kernel-name "regex:lora|multiply" \
-      --launch-count "${NCU_COUNT:-40}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    # XLA's command buffers off: kernels inside CUDA graphs made ncu fail and hang (session 18).
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= SLORA_LORA_BLOCKS=$cfg timeout "${T_NCU:-240}" ncu --clock-control none \
+      --kernel-name "regex:${NCU_KERNELS:-^lora}" --launch-count "${NCU_COUNT:-8}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       --csv --page details --print-units base \
-      python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --out "$OUT/ncu_lora-$i.json" \
+      python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --reps "${NCU_REPS:-2}" --out "$OUT/ncu_lora-$i.json" \
       > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
     echo "ncu setting $i ($cfg) rc=$?"; tail -3 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
     i=$((i + 1))
