@@ -158,14 +158,16 @@ if has ncu; then
   i=0
   for cfg in ${NCU_BLOCKS:-'{}'}; do
     # XLA's command buffers off: kernels inside CUDA graphs made ncu fail and hang (session 18).
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= SLORA_LORA_BLOCKS=$cfg timeout "${T_NCU:-240}" ncu --clock-control none \
+    # Autotuning off and no preallocation: under ncu every module load and launch is intercepted.
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    SLORA_LORA_BLOCKS=$cfg timeout -s INT -k 20 "${T_NCU:-240}" ncu --clock-control none --target-processes application-only \
       --kernel-name "regex:${NCU_KERNELS:-^lora}" --launch-count "${NCU_COUNT:-8}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       --csv --page details --print-units base \
       python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --reps "${NCU_REPS:-2}" --out "$OUT/ncu_lora-$i.json" \
       > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
-    echo "ncu setting $i ($cfg) rc=$?"; tail -3 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
+    echo "ncu setting $i ($cfg) rc=$?"; tail -5 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
     i=$((i + 1))
   done
 fi

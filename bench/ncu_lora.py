@@ -50,6 +50,11 @@ def case_fn(pool: LoraPool, t: int, n: int, interpret: bool):
     return lora_pair, args, pool.bytes(t, n)["total"]
 
 
+def _say(msg: str) -> None:
+    """Progress on stderr: under ncu, stdout carries its CSV."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 @jax.jit
 def copy_kernel(a):
     return a * 1.0001
@@ -65,6 +70,8 @@ def main() -> dict:
     o = dict(QUICK if args.quick else FULL)
     hidden = o["hidden"]
     pool = LoraPool("qkvo", hidden, hidden, o, seed=0)
+    jax.block_until_ready(pool.rows)
+    _say(f"pool ready: {pool.n_rows} rows of {pool.width}")
     interpret = jax.devices()[0].platform == "cpu"
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     if args.quick:
@@ -73,6 +80,7 @@ def main() -> dict:
     for t, n in cases:
         fn, fargs, nbytes = case_fn(pool, t, n, interpret)
         a = jax.random.normal(jax.random.PRNGKey(t + n), (max(1, nbytes // 4),), jnp.bfloat16)
+        _say(f"case {t}x{n}: inputs ready")
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
@@ -84,7 +92,7 @@ def main() -> dict:
         assert bool(jnp.isfinite(out).all()), f"non-finite LoRA delta at {t}x{n}"
         result["cases"].append({"tokens": t, "adapters": n, "bytes": nbytes,
                                 "wall_us_last": times[-1] * 1e6, "delta_abs_max": float(jnp.abs(out).max())})
-        print(f"case {t}x{n}: {nbytes / 1e6:.2f} MB, last call {times[-1] * 1e6:.1f} us wall", flush=True)
+        _say(f"case {t}x{n}: {nbytes / 1e6:.2f} MB, first call {times[0]:.1f} s, last {times[-1] * 1e6:.1f} us wall")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     return result
