@@ -125,7 +125,13 @@ BLOCKS = {
     # 20261130-7fa70de/): the step's LoRA kernels 5.43 -> 5.03 ms, device step 23.93 -> 23.56.
     # Issue 4's 64 x 32 point (2 tokens an adapter) moves the other way: shrink 9.6 -> 10.1-10.4 us,
     # shrink + expand 19.1 -> 19.7-20.0 us of device time (bench/results/20261130-9c2b778/).
-    "mbgmv": dict(shrink=True, expand=False, col_tile=1024),
+    # expand_col_tile / expand_rank_tile: the expand's tiles at block_t 1 (None: BLOCKS["expand"]'s,
+    # sized for dots of 16 rows). Nsight Compute on the H200 (session 18, bench/ncu_lora.py at
+    # 256 tokens x 256 adapters): the dot expand runs 8192 programs of one [16, 128] column tile
+    # each, ~7.5 KB of B a program, at 29% occupancy (93 registers) and 32% of DRAM bandwidth,
+    # its time in per-program overhead, not bytes. At block_t 1 the accumulator is one row, so a
+    # program can take a wide column tile: more bytes for the same overhead.
+    "mbgmv": dict(shrink=True, expand=False, col_tile=1024, expand_col_tile=None, expand_rank_tile=None),
     # mgpu (off): a decode step's shrink (block_t 1) and its expands as the Mosaic GPU pair of
     # lora_mgpu.py, each program's pool rows gathered by TMA, where one A^T / B row is one pool row
     # (q, k, v, o of llama-7b at W 4096). decode: True / False, or None for "on Hopper and later
@@ -720,7 +726,11 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
             max_programs, xa_col=0):
     t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
-    rank_tile, col_tile = blocks["rank_tile"], _col_tile(width, out_features, blocks["col_tile"])
+    rank_tile, col_cap = blocks["rank_tile"], blocks["col_tile"]
+    if block_t == 1:  # MBGMV: the accumulator is one row, so wider tiles fit (BLOCKS["mbgmv"])
+        rank_tile = BLOCKS["mbgmv"].get("expand_rank_tile") or rank_tile
+        col_cap = BLOCKS["mbgmv"].get("expand_col_tile") or col_cap
+    col_tile = _col_tile(width, out_features, col_cap)
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
                                                        schedule, clamp=False)
     kernel = functools.partial(

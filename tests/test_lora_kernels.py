@@ -267,6 +267,25 @@ class TestLoraKernels:
             shrink_schedule=lora.shrink_schedule(ranks, seg, TOKENS, 1, max_rank=MAX_RANK), **kw)
         np.testing.assert_array_equal(np.asarray(mixed_hosted), np.asarray(mixed))
 
+    @pytest.mark.parametrize("tiles", [(64, 8), (1024, 4), (16, 32)], ids=["c64r8", "c1024r4", "c16r32"])
+    def test_mbgmv_expand_tiles(self, monkeypatch, tiles):
+        """BLOCKS["mbgmv"]'s expand tiles (block_t 1 only): wide column tiles (capped by the
+        widths), rank tiles below and above some ranks; apply adds the dense product, base rows
+        keep y, and a block_t 16 call (prefill) ignores them."""
+        col, rank = tiles
+        monkeypatch.setitem(lora.BLOCKS, "mbgmv", {**lora.BLOCKS["mbgmv"], "expand_col_tile": col,
+                                                   "expand_rank_tile": rank})
+        lora._expand.clear_cache()
+        case = CASES["mixed"]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed_of("mbgmv-tiles", str(tiles)))
+        y = jnp.asarray(np.random.default_rng(seed_of("mbgmv-tiles-y", str(tiles))).normal(size=(TOKENS, case.fout)),
+                        jnp.float32)
+        for block_t in (1, lora.BLOCK_T):
+            got = lora.lora_apply(y, *delta_args(arr), max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                                  **self._kw(block_t=block_t))
+            assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, jnp.float32)
+        lora._expand.clear_cache()
+
     def test_few_programs_small_max_rank(self):
         """Fewer programs than blocks, so each walks several (the persistent loop); and a max rank
         below one rank tile, so tiles are masked rather than padded into xa."""
