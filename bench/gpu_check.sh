@@ -4,13 +4,14 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|dispatch|ncu|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|dispatch|ncu|ncustep|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
 # bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
 # settings through bench/kernels.py --lora-blocks; mgpu: the Mosaic GPU decode pair's tests, issue 4's
 # point and the S2 decode profile with it; dispatch: bench/graph_dispatch.py under CUDA-graph
 # concurrency; ncu: the LoRA pair's hardware counters (bench/ncu_lora.py under Nsight Compute);
-# none of these is in "all")
+# ncustep: the same for the LoRA kernels of a llama-7b decode step (profile_step.py); none of these
+# is in "all")
 set -uo pipefail
 OUT=${OUT:-/tmp/slora-out}
 mkdir -p "$OUT"
@@ -170,6 +171,24 @@ if has ncu; then
     echo "ncu setting $i ($cfg) rc=$?"; tail -5 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
     i=$((i + 1))
   done
+fi
+if has ncustep; then
+  # The LoRA kernels of a real engine step under Nsight Compute: profile_step's decode step
+  # (PROFILE_* as for "profile"; default S2's B 172 x 156 adapters, context 430), untraced. Its
+  # first NCU_SKIP matching launches (default: two warm-up steps' 192 each) are skipped, the next
+  # NCU_COUNT profiled: layer 0's q/k/v shrink, three expands, o shrink and expand, then layer 1's.
+  # (The micro-benchmark's counters did not predict the engine step: session 18.)
+  XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  SLORA_LORA_BLOCKS=${NCU_STEP_BLOCKS:-'{}'} timeout -s INT -k 20 "${T_NCU:-300}" ncu --clock-control none \
+    --target-processes application-only --kernel-name "regex:${NCU_KERNELS:-^lora}" \
+    --launch-skip "${NCU_SKIP:-384}" --launch-count "${NCU_COUNT:-12}" --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+    --csv --page details --print-units base \
+    python3 bench/profile_step.py --model llama-7b --no-trace --steps 2 --batch "${PROFILE_BATCH:-172}" \
+      --context "${PROFILE_CONTEXT:-430}" --adapters "${PROFILE_ADAPTERS:-156}" --ranks "${PROFILE_RANKS:-64,32,16,8}" \
+      --backends "${PROFILE_BACKENDS:-hybrid/pallas/grouped}" > "$OUT/ncustep.csv" 2> "$OUT/ncustep.log"
+  echo "ncustep rc=$?"; tail -5 "$OUT/ncustep.log"; grep -c '"' "$OUT/ncustep.csv"
 fi
 [[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
 # The device tool brings back at most 8 files from $OUT: a call with more (profiles of several

@@ -4,6 +4,7 @@ registers; `--best` prints the setting whose expand is fastest on one case (for 
 
     python bench/ncu_summary.py DIR --cases 64x32,256x256              # the table
     python bench/ncu_summary.py DIR --cases 64x32,256x256 --best 256x256 # index of the best setting
+    python bench/ncu_summary.py FILE.csv                                   # launch by launch (ncustep)
 
 bench/ncu_lora.py runs each case reps + 1 times (the last call checks the output), each call a
 shrink and an expand, in the order of --cases: launch i belongs to case i // (2 * (reps + 1)).
@@ -71,6 +72,15 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cases = args.cases.split(",")
+    if os.path.isfile(args.dir):  # one CSV (gpu_check.sh ncustep): every launch in order
+        for i, ln in enumerate(read(args.dir)):
+            m = ln["m"]
+            us = _num(m.get("gpu__time_duration.sum", "nan")) / 1e3
+            mb = _num(m.get("dram__bytes_read.sum", "nan")) / 1e6
+            print(f"{i:3d} {ln['name'][:28]:28s} grid {ln['grid']:14s} {us:7.1f} us  read {mb:7.2f} MB  "
+                  f"DRAM {m.get('DRAM Throughput', '?'):>6}%  occupancy {m.get('Achieved Occupancy', '?'):>6}%  "
+                  f"{m.get('Registers Per Thread', '?')} regs")
+        return
     files = sorted(glob.glob(os.path.join(args.dir, "ncu-*.csv")), key=lambda p: int(re.findall(r"\d+", p)[-1]))
     table = {}
     for path in files:

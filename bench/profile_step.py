@@ -265,6 +265,9 @@ def main() -> None:
     ap.add_argument("--prefill", default=None, metavar="N:L",
                     help="profile packed prefill steps of N fresh prompts of L tokens (prompt i on adapter "
                          "i mod --adapters) instead of decode steps")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="run the warm-up and --steps untraced steps only: for running under Nsight Compute "
+                         "(bench/gpu_check.sh ncustep), whose counters and the JAX profiler's would collide")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     counts = [int(n) for n in str(args.adapters).split(",")]
@@ -325,6 +328,9 @@ def main() -> None:
             t1 = time.perf_counter()
             res.block_until_ready()
             t2 = time.perf_counter()
+            if args.no_trace:
+                print(f"{pair}, {n} adapters: untraced wall {(t2 - t0) * 1e3 / args.steps:.2f} ms a step", flush=True)
+                continue
             with traced() as events:
                 for _ in range(args.steps):
                     eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
