@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import gzip
 import json
 import os
 import re
@@ -30,7 +31,8 @@ def _num(v: str) -> float:
 
 def read(path: str) -> list[dict]:
     """One dict a profiled launch, in launch order: name, grid and its metrics by name."""
-    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        rows = [r for r in csv.reader(f) if len(r) > 10]
     if not rows:
         return []
     col = {h: i for i, h in enumerate(rows[0])}
@@ -63,14 +65,14 @@ def summarize(launches: list[dict], cases: list[str], reps: int) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir")
     ap.add_argument("--cases", default="64x32,256x256")
     ap.add_argument("--reps", type=int, default=2, help="ncu_lora.py --reps")
     ap.add_argument("--best", default=None, help="a case: print the index of the setting with the fastest expand")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cases = args.cases.split(",")
     if os.path.isfile(args.dir):  # one CSV (gpu_check.sh ncustep): every launch in order
         for i, ln in enumerate(read(args.dir)):
@@ -81,10 +83,10 @@ def main() -> None:
                   f"DRAM {m.get('DRAM Throughput', '?'):>6}%  occupancy {m.get('Achieved Occupancy', '?'):>6}%  "
                   f"{m.get('Registers Per Thread', '?')} regs")
         return
-    files = sorted(glob.glob(os.path.join(args.dir, "ncu-*.csv")), key=lambda p: int(re.findall(r"\d+", p)[-1]))
+    files = sorted(glob.glob(os.path.join(args.dir, "ncu-*.csv*")), key=lambda p: int(re.findall(r"ncu-(\d+)", p)[-1]))
     table = {}
     for path in files:
-        i = int(re.findall(r"\d+", path)[-1])
+        i = int(re.findall(r"ncu-(\d+)", path)[-1])
         table[i] = summarize(read(path), cases, args.reps)
     if args.best:
         timed = {i: t[args.best]["expand"]["us"] for i, t in table.items() if "expand" in t.get(args.best, {})}

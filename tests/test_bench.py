@@ -657,3 +657,49 @@ def test_graph_dispatch_uses_as_many_executables_as_copies(tmp_path):
         assert out["distinct_executables"] == copies
         assert json.loads((tmp_path / f"{copies}.json").read_text())["copies"] == copies
         assert out["overlapped_us_per_step"] > 0 and out["dispatch_us_median"] > 0
+
+
+def _ncu_csv(path, launches):
+    """A file in Nsight Compute's `--csv --page details` layout: one row a metric, launches in order."""
+    import csv
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        f.write("==PROF== Connected to process 1\n")  # ncu's own lines come first, unquoted
+        w.writerow(["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+                    "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
+        for i, (name, ns, dram) in enumerate(launches):
+            for metric, value in (("gpu__time_duration.sum", f"{ns:,}"), ("DRAM Throughput", str(dram)),
+                                  ("Achieved Occupancy", "25.5"), ("Registers Per Thread", "56"),
+                                  ("dram__bytes_read.sum", "8,917,504")):
+                w.writerow([str(i), "1", "python3", "h", name, "1", "14", "(128, 1, 1)", "(256, 1, 4)", "0", "9.0",
+                            "s", metric, "", value])
+
+
+def test_ncu_summary_groups_launches_by_case_and_picks_the_fastest_expand(tmp_path, capsys):
+    """bench/ncu_summary.py: launch i of ncu_lora.py belongs to case i // (2 * (reps + 1)); medians
+    a case and kernel; --best names the setting whose expand is fastest on the case asked for."""
+    from bench import ncu_summary
+    reps = 1  # two calls a case: shrink, expand, shrink, expand
+    for setting, expand_ns in ((0, 40_000), (1, 30_000)):
+        _ncu_csv(tmp_path / f"ncu-{setting}.csv",
+                 [("lora_shrink", 11_000, 16.0), ("lora_expand", 10_000, 17.0)] * 2
+                 + [("lora_shrink", 26_000, 55.0), ("lora_expand", expand_ns, 30.0),
+                    ("lora_shrink", 26_000, 55.0), ("lora_expand", expand_ns + 2_000, 30.0)])
+    table = ncu_summary.summarize(ncu_summary.read(str(tmp_path / "ncu-1.csv")), ["64x32", "256x256"], reps)
+    assert table["64x32"]["expand"]["us"] == 10.0 and table["64x32"]["shrink"]["launches"] == 2
+    assert table["256x256"]["expand"]["us"] == 31.0 and table["256x256"]["shrink"]["dram_pct"] == 55.0
+    ncu_summary.main([str(tmp_path), "--cases", "64x32,256x256", "--reps", str(reps), "--best", "256x256"])
+    assert capsys.readouterr().out.strip() == "1"
+
+
+def test_ncu_lora_driver_runs_the_pair(tmp_path):
+    """bench/ncu_lora.py, the program ncu runs: on the CPU (interpret mode, tiny shapes) it runs
+    the pair and writes a finite delta's size per case."""
+    import subprocess
+    import sys
+    out = tmp_path / "n.json"
+    subprocess.run([sys.executable, "bench/ncu_lora.py", "--quick", "--reps", "1", "--out", str(out)], check=True,
+                   cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert [(c["tokens"], c["adapters"]) for c in res["cases"]] == [(8, 2)]
+    assert res["cases"][0]["delta_abs_max"] > 0 and res["cases"][0]["bytes"] > 0
