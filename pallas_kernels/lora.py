@@ -128,9 +128,11 @@ BLOCKS = {
     # expand_col_tile / expand_rank_tile: the expand's tiles at block_t 1 (None: BLOCKS["expand"]'s,
     # sized for dots of 16 rows). Nsight Compute on the H200 (session 18, bench/ncu_lora.py at
     # 256 tokens x 256 adapters): the dot expand runs 8192 programs of one [16, 128] column tile
-    # each, ~7.5 KB of B a program, at 29% occupancy (93 registers) and 32% of DRAM bandwidth,
-    # its time in per-program overhead, not bytes. At block_t 1 the accumulator is one row, so a
-    # program can take a wide column tile: more bytes for the same overhead.
+    # each, ~7.5 KB of B a program, at 29% occupancy (93 registers) and 32% of DRAM bandwidth.
+    # Wider tiles at block_t 1 cost registers (col 512-2048: 174-255, 6-12% occupancy, slower);
+    # col 256 / rank 8 took that micro case 46.5 -> 33.5 us, but the S2 decode step's LoRA kernels
+    # 5.05 -> 5.12 ms (bench/results/20261130-4d56af6/): the micro's counters do not carry over
+    # to the engine step, so the expand stays a dot of 16 rows by default.
     "mbgmv": dict(shrink=True, expand=False, col_tile=1024, expand_col_tile=None, expand_rank_tile=None),
     # mgpu (off): a decode step's shrink (block_t 1) and its expands as the Mosaic GPU pair of
     # lora_mgpu.py, each program's pool rows gathered by TMA, where one A^T / B row is one pool row
