@@ -155,7 +155,8 @@ if has ncu; then
   # Hardware counters of the LoRA pair (bench/ncu_lora.py) under Nsight Compute: DRAM throughput,
   # occupancy, warp stalls. NCU_KERNELS: the kernel-name regex ("^lora|multiply" adds the
   # same-bytes copy); NCU_BLOCKS: LoRA kernel settings (SLORA_LORA_BLOCKS), a run each, "{}" the
-  # defaults; NCU_CASES: TOKENSxADAPTERS list, each run NCU_REPS times.
+  # defaults; NCU_CASES: TOKENSxADAPTERS list, each run NCU_REPS times; NCU_ARGS: more ncu_lora.py
+  # arguments (e.g. "--pool-rows 4194304 --page-rows 32": a 32 GB pool, rows placed in pages).
   i=0
   for cfg in ${NCU_BLOCKS:-'{}'}; do
     # XLA's command buffers off: kernels inside CUDA graphs made ncu fail and hang (session 18).
@@ -166,7 +167,8 @@ if has ncu; then
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       --csv --page details --print-units base \
-      python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --reps "${NCU_REPS:-2}" --out "$OUT/ncu_lora-$i.json" \
+      python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --reps "${NCU_REPS:-2}" ${NCU_ARGS:-} \
+      --out "$OUT/ncu_lora-$i.json" \
       > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
     echo "ncu setting $i ($cfg) rc=$?"; tail -5 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
     i=$((i + 1))

@@ -211,7 +211,9 @@ def _next_pow2(n: int) -> int:
 class LoraPool:
     """One module shape: a pool of rows [N, W] and a universe of adapters in it. Adapter m has rank
     ranks[m % C]; its A^T rows and B rows sit at random pool rows; index entries past them point at
-    random rows (the kernels must not read them)."""
+    random rows (the kernels must not read them). With o["page_rows"] = P, rows are placed as the
+    engine's allocator places them instead: each adapter's A^T then B rows fill whole pages of P
+    consecutive rows, the pages at random places in the pool."""
 
     def __init__(self, name, fin, fout, o, seed):
         self.name, self.fin, self.fout = name, fin, fout
@@ -223,17 +225,30 @@ class LoraPool:
         a_used = -(-self.ranks * fin // width)
         b_used = -(-self.ranks * fout // width)
         need = int(a_used.sum() + b_used.sum())
+        page = o.get("page_rows") or 0
+        if page:
+            need = int((-(-(a_used + b_used) // page) * page).sum())
         n_rows = max(o["min_pool_rows"], _next_pow2(int(need * 1.25)))
-        perm = rng.permutation(n_rows)
         ra, rb = -(-rmax * fin // width), -(-rmax * fout // width)
         self.a_idx = rng.integers(0, n_rows, (m_count, ra)).astype(np.int32)
         self.b_idx = rng.integers(0, n_rows, (m_count, rb)).astype(np.int32)
-        pos = 0
-        for m in range(m_count):
-            self.a_idx[m, :a_used[m]] = perm[pos:pos + a_used[m]]
-            pos += a_used[m]
-            self.b_idx[m, :b_used[m]] = perm[pos:pos + b_used[m]]
-            pos += b_used[m]
+        if page:  # each adapter's rows in whole pages, consecutive within a page
+            pages = rng.permutation(n_rows // page)
+            pos = 0
+            for m in range(m_count):
+                k = -(-(a_used[m] + b_used[m]) // page)
+                rows = (pages[pos:pos + k, None] * page + np.arange(page)[None, :]).reshape(-1)
+                pos += k
+                self.a_idx[m, :a_used[m]] = rows[:a_used[m]]
+                self.b_idx[m, :b_used[m]] = rows[a_used[m]:a_used[m] + b_used[m]]
+        else:
+            perm = rng.permutation(n_rows)
+            pos = 0
+            for m in range(m_count):
+                self.a_idx[m, :a_used[m]] = perm[pos:pos + a_used[m]]
+                pos += a_used[m]
+                self.b_idx[m, :b_used[m]] = perm[pos:pos + b_used[m]]
+                pos += b_used[m]
         self.rows = jax.random.normal(jax.random.PRNGKey(seed), (n_rows, width), jnp.bfloat16)
         self.n_rows, self.per_class = n_rows, o["per_class"]
 

@@ -64,10 +64,19 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="64x32,256x256", help="comma list of TOKENSxADAPTERS")
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--pool-rows", type=int, default=None,
+                    help="rows in the pool (default kernels.py's 32768, 256 MB at W 4096; the engine's "
+                         "S2 pool is ~100 GB)")
+    ap.add_argument("--page-rows", type=int, default=0,
+                    help="place each adapter's rows in whole pages of this many rows, as the engine does "
+                         "(32: page_size 16, K and V); 0: each row anywhere")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     o = dict(QUICK if args.quick else FULL)
+    if args.pool_rows:
+        o["min_pool_rows"] = args.pool_rows
+    o["page_rows"] = args.page_rows
     hidden = o["hidden"]
     pool = LoraPool("qkvo", hidden, hidden, o, seed=0)
     jax.block_until_ready(pool.rows)
@@ -76,7 +85,7 @@ def main() -> dict:
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     if args.quick:
         cases = [(8, 2)]
-    result = {"blocks": lora_kernels.BLOCKS, "cases": []}
+    result = {"blocks": lora_kernels.BLOCKS, "pool_rows": pool.n_rows, "page_rows": args.page_rows, "cases": []}
     for t, n in cases:
         fn, fargs, nbytes = case_fn(pool, t, n, interpret)
         a = jax.random.normal(jax.random.PRNGKey(t + n), (max(1, nbytes // 4),), jnp.bfloat16)

@@ -703,3 +703,31 @@ def test_ncu_lora_driver_runs_the_pair(tmp_path):
     res = json.loads(out.read_text())
     assert [(c["tokens"], c["adapters"]) for c in res["cases"]] == [(8, 2)]
     assert res["cases"][0]["delta_abs_max"] > 0 and res["cases"][0]["bytes"] > 0
+
+
+@pytest.mark.parametrize("page_rows", [0, 8])
+def test_kernel_pool_places_adapter_rows_apart(page_rows):
+    """bench/kernels.py's LoraPool: no two adapters (or an adapter's A and B) share a pool row;
+    with page_rows, each adapter's rows fill whole pages of consecutive rows, as the engine places
+    them, and pages are not shared."""
+    from bench.kernels import QUICK, LoraPool
+    pool = LoraPool("qkvo", 64, 64, {**QUICK, "page_rows": page_rows}, seed=3)
+    used = []
+    for m, r in enumerate(pool.ranks):
+        na, nb = -(-int(r) * 64 // pool.width), -(-int(r) * 64 // pool.width)
+        rows = np.concatenate([pool.a_idx[m, :na], pool.b_idx[m, :nb]])
+        used.append(rows)
+        if page_rows:
+            pages = np.unique(rows // page_rows)
+            assert len(pages) == -(-len(rows) // page_rows)  # as few pages as the rows need
+            for p in pages:  # within a page, the adapter's rows are consecutive from its start
+                in_page = np.sort(rows[rows // page_rows == p])
+                np.testing.assert_array_equal(in_page, p * page_rows + np.arange(len(in_page)))
+    flat = np.concatenate(used)
+    assert len(np.unique(flat)) == len(flat)
+    assert flat.max() < pool.n_rows
+    if page_rows:
+        owner = {}
+        for m, rows in enumerate(used):
+            for p in set((rows // page_rows).tolist()):
+                assert owner.setdefault(p, m) == m
