@@ -4,14 +4,15 @@ order, as bench/kernels.py builds them) and a copy of the same bytes, a few time
 `ncu` can read their hardware counters: DRAM throughput, achieved occupancy, where warps stall.
 bench/kernels.py says how long the pair takes; this says why.
 
-    ncu --clock-control none --kernel-name regex:'lora|multiply' --launch-skip 6 --launch-count 12 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats --csv --page details \
-        python3 bench/ncu_lora.py --cases 64x32,256x256
+    bash bench/gpu_check.sh ncu               # on the GPU: ncu over this, with the settings it needs
+    python bench/ncu_summary.py <OUT>         # the counters, a table per setting
     python bench/ncu_lora.py --quick          # CPU: interpret mode, tiny shapes (the smoke test)
 
-Each case runs `--reps` times (its first calls compile); the copy (`a * 1.0001` over as many bytes
-as the case reads and writes) runs after each case as often. Under ncu the kernels run one at a
-time with caches flushed between passes: the adapter rows come from HBM, as in a serving step.
+Under ncu, JAX needs XLA's autotuning and command buffers off and no preallocation, or ncu hangs
+(gpu_check.sh sets them; session 18). Each case runs `--reps` times plus once to check the output
+(its first call compiles); the copy (`a * 1.0001` over as many bytes as the case reads and writes)
+runs after each case `--reps` times, profiled where the kernel filter takes "multiply". Under ncu
+the kernels run one at a time with caches flushed between passes: the adapter rows come from HBM.
 """
 
 from __future__ import annotations
