@@ -151,42 +151,43 @@ if has dispatch; then
     done
   done
 fi
+# Nsight Compute over a command (ncu and ncustep): the LoRA kernels' counters as CSV on stdout.
+# Under ncu, JAX needs XLA's command buffers off (kernels inside CUDA graphs made ncu fail and
+# hang), autotuning off and no preallocation (every module load and launch is intercepted):
+# session 18. ncu_run SECONDS [ncu options] COMMAND...: under `timeout` (SIGINT first, so ncu can
+# stop the program); NCU_KERNELS: the kernel-name regex.
+ncu_run() {
+  local t=$1; shift
+  timeout -s INT -k 20 "$t" env XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --target-processes application-only --kernel-name "regex:${NCU_KERNELS:-^lora}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+    --csv --page details --print-units base "$@"
+}
 if has ncu; then
-  # Hardware counters of the LoRA pair (bench/ncu_lora.py) under Nsight Compute: DRAM throughput,
-  # occupancy, warp stalls. NCU_KERNELS: the kernel-name regex ("^lora|multiply" adds the
-  # same-bytes copy); NCU_BLOCKS: LoRA kernel settings (SLORA_LORA_BLOCKS), a run each, "{}" the
-  # defaults; NCU_CASES: TOKENSxADAPTERS list, each run NCU_REPS times; NCU_ARGS: more ncu_lora.py
-  # arguments (e.g. "--pool-rows 4194304 --page-rows 32": a 32 GB pool, rows placed in pages).
+  # Hardware counters of the LoRA pair (bench/ncu_lora.py): DRAM throughput, occupancy, warp
+  # stalls. NCU_KERNELS "^lora|multiply" adds the same-bytes copy; NCU_BLOCKS: LoRA kernel
+  # settings (SLORA_LORA_BLOCKS), a run each, "{}" the defaults; NCU_CASES: TOKENSxADAPTERS list,
+  # each run NCU_REPS times; NCU_ARGS: more ncu_lora.py arguments (e.g. "--pool-rows 4194304
+  # --page-rows 32": a 32 GB pool, rows placed in pages).
   i=0
   for cfg in ${NCU_BLOCKS:-'{}'}; do
-    # XLA's command buffers off: kernels inside CUDA graphs made ncu fail and hang (session 18).
-    # Autotuning off and no preallocation: under ncu every module load and launch is intercepted.
-    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    SLORA_LORA_BLOCKS=$cfg timeout -s INT -k 20 "${T_NCU:-240}" ncu --clock-control none --target-processes application-only \
-      --kernel-name "regex:${NCU_KERNELS:-^lora}" --launch-count "${NCU_COUNT:-8}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
-      --csv --page details --print-units base \
+    SLORA_LORA_BLOCKS=$cfg ncu_run "${T_NCU:-240}" --launch-count "${NCU_COUNT:-8}" \
       python3 bench/ncu_lora.py --cases "${NCU_CASES:-64x32,256x256}" --reps "${NCU_REPS:-2}" ${NCU_ARGS:-} \
-      --out "$OUT/ncu_lora-$i.json" \
-      > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
+      --out "$OUT/ncu_lora-$i.json" > "$OUT/ncu-$i.csv" 2> "$OUT/ncu-$i.log"
     echo "ncu setting $i ($cfg) rc=$?"; tail -5 "$OUT/ncu-$i.log"; grep -c '"' "$OUT/ncu-$i.csv"
     i=$((i + 1))
   done
 fi
 if has ncustep; then
-  # The LoRA kernels of a real engine step under Nsight Compute: profile_step's decode step
-  # (PROFILE_* as for "profile"; default S2's B 172 x 156 adapters, context 430), untraced. Its
-  # first NCU_SKIP matching launches (default: two warm-up steps' 192 each) are skipped, the next
-  # NCU_COUNT profiled: layer 0's q/k/v shrink, three expands, o shrink and expand, then layer 1's.
+  # The LoRA kernels of a real engine step: profile_step's decode step (PROFILE_* as for
+  # "profile"; default S2's B 172 x 156 adapters, context 430), untraced. Its first NCU_SKIP
+  # matching launches (default: two warm-up steps' 192 each) are skipped, the next NCU_COUNT
+  # profiled: layer 0's q/k/v shrink, three expands, o shrink and expand, then layer 1's.
   # (The micro-benchmark's counters did not predict the engine step: session 18.)
-  XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  SLORA_LORA_BLOCKS=${NCU_STEP_BLOCKS:-'{}'} timeout -s INT -k 20 "${T_NCU:-300}" ncu --clock-control none \
-    --target-processes application-only --kernel-name "regex:${NCU_KERNELS:-^lora}" \
-    --launch-skip "${NCU_SKIP:-384}" --launch-count "${NCU_COUNT:-12}" --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
-    --csv --page details --print-units base \
+  SLORA_LORA_BLOCKS=${NCU_STEP_BLOCKS:-'{}'} ncu_run "${T_NCU:-300}" \
+    --launch-skip "${NCU_SKIP:-384}" --launch-count "${NCU_COUNT:-12}" \
     python3 bench/profile_step.py --model llama-7b --no-trace --steps 2 --batch "${PROFILE_BATCH:-172}" \
       --context "${PROFILE_CONTEXT:-430}" --adapters "${PROFILE_ADAPTERS:-156}" --ranks "${PROFILE_RANKS:-64,32,16,8}" \
       --backends "${PROFILE_BACKENDS:-hybrid/pallas/grouped}" > "$OUT/ncustep.csv" 2> "$OUT/ncustep.log"

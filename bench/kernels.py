@@ -224,31 +224,22 @@ class LoraPool:
         self.ranks = np.array([cyc[m % len(cyc)] for m in range(m_count)], np.int32)
         a_used = -(-self.ranks * fin // width)
         b_used = -(-self.ranks * fout // width)
-        need = int(a_used.sum() + b_used.sum())
+        used = a_used + b_used
         page = o.get("page_rows") or 0
-        if page:
-            need = int((-(-(a_used + b_used) // page) * page).sum())
+        units = -(-used // page) if page else used  # each adapter's pages (whole), or rows
+        need = int(units.sum()) * (page or 1)
         n_rows = max(o["min_pool_rows"], _next_pow2(int(need * 1.25)))
+        order = rng.permutation(n_rows // (page or 1))  # pages, or rows, in random order
         ra, rb = -(-rmax * fin // width), -(-rmax * fout // width)
         self.a_idx = rng.integers(0, n_rows, (m_count, ra)).astype(np.int32)
         self.b_idx = rng.integers(0, n_rows, (m_count, rb)).astype(np.int32)
-        if page:  # each adapter's rows in whole pages, consecutive within a page
-            pages = rng.permutation(n_rows // page)
-            pos = 0
-            for m in range(m_count):
-                k = -(-(a_used[m] + b_used[m]) // page)
-                rows = (pages[pos:pos + k, None] * page + np.arange(page)[None, :]).reshape(-1)
-                pos += k
-                self.a_idx[m, :a_used[m]] = rows[:a_used[m]]
-                self.b_idx[m, :b_used[m]] = rows[a_used[m]:a_used[m] + b_used[m]]
-        else:
-            perm = rng.permutation(n_rows)
-            pos = 0
-            for m in range(m_count):
-                self.a_idx[m, :a_used[m]] = perm[pos:pos + a_used[m]]
-                pos += a_used[m]
-                self.b_idx[m, :b_used[m]] = perm[pos:pos + b_used[m]]
-                pos += b_used[m]
+        ends = np.cumsum(units)
+        runs = [order[e - k:e] for e, k in zip(ends, units)]
+        if page:  # adapter m's rows: consecutive within its pages
+            runs = [(r[:, None] * page + np.arange(page)[None, :]).reshape(-1) for r in runs]
+        for m, rows in enumerate(runs):
+            self.a_idx[m, :a_used[m]] = rows[:a_used[m]]
+            self.b_idx[m, :b_used[m]] = rows[a_used[m]:used[m]]
         self.rows = jax.random.normal(jax.random.PRNGKey(seed), (n_rows, width), jnp.bfloat16)
         self.n_rows, self.per_class = n_rows, o["per_class"]
 
