@@ -481,11 +481,11 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
 
         tile = (pl.ds(start, block_t), pl.ds(col, col_tile))
 
-        def load_y():
+        def load_y():  # in y's dtype: with y_first it is held through the rank loop (registers)
             if n_mod == 1:
-                return plgpu.load(y_refs[0].at[tile], mask=tok_live[:, None], other=0).astype(jnp.float32)
-            return sum(plgpu.load(y_refs[m].at[tile], mask=tok_live[:, None] & (g == m), other=0).astype(jnp.float32)
-                       for m in range(n_mod))
+                return plgpu.load(y_refs[0].at[tile], mask=tok_live[:, None], other=0)
+            return sum(plgpu.load(y_refs[m].at[tile], mask=tok_live[:, None] & (g == m), other=0)
+                       for m in range(n_mod))  # one term is not masked off: the sum is exact
         if y_first:
             y = load_y()
         trips = jax.lax.div(r + rank_tile - 1, rank_tile)
@@ -493,7 +493,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
         if not y_first:
             y = load_y()
         for m in range(n_mod):
-            plgpu.store(out_refs[m].at[tile], (y + acc).astype(out_refs[m].dtype),
+            plgpu.store(out_refs[m].at[tile], (y.astype(jnp.float32) + acc).astype(out_refs[m].dtype),
                         mask=tok_live[:, None] if n_mod == 1 else tok_live[:, None] & (g == m))
 
     _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
