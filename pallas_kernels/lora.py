@@ -98,7 +98,7 @@ BLOCKS = {
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
                    max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256, early_loads=False, cols_first=False, group=False),
+                   max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
     # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
     # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
@@ -426,31 +426,16 @@ def _when(cond):
     return pl.when(cond)
 
 
-def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, *y_out_refs,
+def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False,
-                   prefetch_next=False, early_loads=False, cols_first=False, slots=0, module_cols=0):
+                   prefetch_next=False, early_loads=False, cols_first=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     # cols_first: the grid is (column tile, program) instead (see `_grid`).
-    # Grouped (G = len(y_out_refs) // 2 > 1, lora_expand_group): G modules that read one xa (q,
-    # k, v) in one launch. Grid axis 1 walks (module, output column tile) pairs; module g's ranks
-    # and B rows are row block g of the stacked arrays (slots rows each), its xa columns start at
-    # xa_col + g * module_cols, and it adds into its own y (y_out_refs[g], written through
-    # y_out_refs[G + g]). A program picks its module's y by masks: the other modules' loads and
-    # stores are predicated off, so they move no bytes.
-    n_mod = len(y_out_refs) // 2
-    y_refs, out_refs = y_out_refs[:n_mod], y_out_refs[n_mod:]
-    p, go = _program_ids(2, cols_first)
-    if n_mod == 1:
-        g, o = 0, go                           # o: this program's output column tile
-    else:
-        n_col = fout // col_tile
-        g, o = jax.lax.div(go, n_col), jax.lax.rem(go, n_col)
-        xa_col = xa_col + g * module_cols
+    p, o = _program_ids(2, cols_first)         # o: this program's output column tile
     col = o * col_tile
 
     def block(col_):
-        s = col_[0] if n_mod == 1 else g * slots + col_[0]   # module g's row of the slot
-        start, end = col_[1], col_[2]
+        s, start, end = col_[0], col_[1], col_[2]
         r = jnp.minimum(ranks_ref[s], max_rank)
         tok_live = start + jnp.arange(block_t) < end
 
@@ -480,21 +465,14 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
                                              preferred_element_type=jnp.float32)
 
         tile = (pl.ds(start, block_t), pl.ds(col, col_tile))
-
-        def load_y():  # in y's dtype: with y_first it is held through the rank loop (registers)
-            if n_mod == 1:
-                return plgpu.load(y_refs[0].at[tile], mask=tok_live[:, None], other=0)
-            return sum(plgpu.load(y_refs[m].at[tile], mask=tok_live[:, None] & (g == m), other=0)
-                       for m in range(n_mod))  # one term is not masked off: the sum is exact
         if y_first:
-            y = load_y()
+            y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         trips = jax.lax.div(r + rank_tile - 1, rank_tile)
         acc = _loop(0, trips, load, use, jnp.zeros((block_t, col_tile), jnp.float32), prefetch_next)
         if not y_first:
-            y = load_y()
-        for m in range(n_mod):
-            plgpu.store(out_refs[m].at[tile], (y.astype(jnp.float32) + acc).astype(out_refs[m].dtype),
-                        mask=tok_live[:, None] if n_mod == 1 else tok_live[:, None] & (g == m))
+            y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
+        plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
+                    mask=tok_live[:, None])
 
     _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
 
@@ -745,41 +723,32 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "out_features", "interpret", "block_t",
-                                             "max_programs", "xa_col", "module_cols"))
-def _expand(ys, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_features, interpret, block_t,
-            max_programs, xa_col=0, module_cols=0):
-    """ys + their deltas, a tuple like ys: one module (ys of one y, b_rows [Sa, RB], ranks [Sa]) or
-    G that read one xa (b_rows [G, Sa, RB], ranks [G, Sa]; module g's xa columns from xa_col + g *
-    module_cols). The schedule covers the slots live in any module."""
-    t, width = ys[0].shape[0], rows.shape[1]
+                                             "max_programs", "xa_col"))
+def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_features, interpret, block_t,
+            max_programs, xa_col=0):
+    t, width = y.shape[0], rows.shape[1]
     blocks = BLOCKS["expand"]
     rank_tile, col_cap = blocks["rank_tile"], blocks["col_tile"]
     if block_t == 1:  # MBGMV: the accumulator is one row, so wider tiles fit (BLOCKS["mbgmv"])
         rank_tile = BLOCKS["mbgmv"].get("expand_rank_tile") or rank_tile
         col_cap = BLOCKS["mbgmv"].get("expand_col_tile") or col_cap
     col_tile = _col_tile(width, out_features, col_cap)
-    n_modules = len(ys)
-    b_rows, ranks = (b_rows, ranks) if n_modules > 1 else (b_rows[None], ranks[None])
-    slots = ranks.shape[1]
-    live = ranks[0] if schedule is not None or n_modules == 1 else ranks.max(axis=0)
-    _, sched, total, nb, n_programs = _plan_blocks(live, seg_starts, t, max_rank, block_t, max_programs,
-                                                   schedule, clamp=False)
+    ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
+                                                       schedule, clamp=False)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
         y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False),
-        early_loads=blocks.get("early_loads", False), cols_first=blocks.get("cols_first", False),
-        slots=slots, module_cols=module_cols)
+        early_loads=blocks.get("early_loads", False), cols_first=blocks.get("cols_first", False))
     return pl.pallas_call(
         kernel,
-        grid=_grid((n_programs, n_modules * (out_features // col_tile)), blocks.get("cols_first", False)),
-        out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
-        input_output_aliases={6 + g: g for g in range(n_modules)},  # base tokens keep y
+        grid=_grid((n_programs, out_features // col_tile), blocks.get("cols_first", False)),
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        input_output_aliases={6: 0},  # base tokens keep y
         interpret=interpret,
         compiler_params=_compiler_params(interpret, blocks),
         name="lora_expand",
-    )(total, sched, ranks.astype(jnp.int32).reshape(-1), b_rows.reshape(n_modules * slots, -1).astype(jnp.int32),
-      xa.astype(jnp.float32), rows, *ys)
+    )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
 
 
 @functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "interpret", "block_t", "max_programs"))
@@ -907,37 +876,9 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
         return lora_expand_reference(y, xa2[:y.shape[0], xa_col:xa_col + max_rank], rows, b_rows, ranks, seg_starts,
                                      max_rank=max_rank, out_features=out_features)
     _check_block_t(block_t, mbgmv=True)
-    return _expand((y,), xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
+    return _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank,
                    out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs or BLOCKS["expand"]["max_programs"], xa_col=xa_col)[0]
-
-
-def lora_expand_group(ys, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_features: int,
-                      module_cols: int, interpret=None, block_t: int = BLOCK_T, max_programs: int | None = None,
-                      schedule=None, decode: bool = False, token_slot=None):
-    """lora_expand for G modules that read one xa (q, k and v after lora_shrink_group) and have the
-    same `out`, in one launch: a tuple of ys + their deltas. ys, b_rows, ranks: G per-module arrays
-    each, or b_rows and ranks already stacked ([G, Sa, RB], [G, Sa]); module g's xa columns start
-    at g * module_cols. schedule: block_schedule of the slots live in any of the modules. Where
-    the one-launch form does not apply (the Mosaic GPU decode pair, toy widths) it is one
-    lora_expand per module."""
-    n = len(ys)
-    assert all(y.shape == ys[0].shape for y in ys) and ys[0].shape[1] == out_features, [y.shape for y in ys]
-    if n == 1 or (decode and mgpu_decode(rows.shape[1], out_features, "expand")) or \
-            _col_tile(rows.shape[1], out_features, BLOCKS["expand"]["col_tile"]) < 16:
-        return tuple(lora_expand(y, xa, rows, b_rows[g], ranks[g], seg_starts, max_rank=max_rank,
-                                 out_features=out_features, interpret=interpret, block_t=block_t,
-                                 max_programs=max_programs, schedule=schedule if n == 1 else None,
-                                 xa_col=g * module_cols, decode=decode, token_slot=token_slot)
-                     for g, y in enumerate(ys))
-    assert xa.shape[-2] >= ys[0].shape[0] and xa.shape[-1] >= (n - 1) * module_cols + max_rank, (xa.shape, module_cols)
-    _check_block_t(block_t, mbgmv=True)
-
-    def stack(v):
-        return jnp.stack([jnp.asarray(a) for a in v]) if isinstance(v, (list, tuple)) else v
-    return _expand(tuple(ys), xa, rows, stack(b_rows), stack(ranks), seg_starts, schedule, max_rank=max_rank,
-                   out_features=out_features, interpret=_interpret(interpret), block_t=block_t,
-                   max_programs=max_programs or BLOCKS["expand"]["max_programs"], module_cols=module_cols)
+                   max_programs=max_programs or BLOCKS["expand"]["max_programs"], xa_col=xa_col)
 
 
 def lora_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
@@ -963,25 +904,17 @@ def _shrink_options(kernel_options: dict, shrink_schedule, shrink_block_t) -> di
 
 
 def lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fouts,
-                     shrink_schedule=None, shrink_block_t: int | None = None, group_schedule=None,
-                     **kernel_options):
+                     shrink_schedule=None, shrink_block_t: int | None = None, **kernel_options):
     """lora_apply for G modules that read the same x: one shrink launch (lora_shrink_group), then
-    the expands: one launch for all (lora_expand_group) where BLOCKS["expand"]["group"] is on and
-    their fouts agree, else one per module into its own y. ys, a_rows, b_rows, ranks, fouts: one
-    per module. schedule= (block_schedule) goes to the per-module expands, group_schedule= (the
-    block schedule of the slots live in any module) to the grouped one, shrink_schedule=
-    (shrink_schedule) to the shrink; any None: built in the graph. shrink_block_t: the shrink's
-    block_t where it differs from the expands' (block_t=), e.g. 1 (MBGMV) for a decode step's
-    shrink."""
+    one expand per module into its own y. ys, a_rows, b_rows, ranks, fouts: one per module.
+    schedule= (block_schedule) goes to the expands, shrink_schedule= (shrink_schedule) to the
+    shrink; either None: built in the graph. shrink_block_t: the shrink's block_t where it
+    differs from the expands' (block_t=), e.g. 1 (MBGMV) for a decode step's shrink."""
     xa = lora_shrink_group(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin,
                            **_shrink_options(kernel_options, shrink_schedule, shrink_block_t))
     cols = xa.shape[-1] // len(ys)
-    decode = shrink_block_t == 1
-    if BLOCKS["expand"].get("group") and len(ys) > 1 and len(set(fouts)) == 1:  # one expand launch
-        return lora_expand_group(ys, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fouts[0],
-                                 module_cols=cols, decode=decode, **{**kernel_options, "schedule": group_schedule})
     return tuple(lora_expand(y, xa, rows, b, r, seg_starts, max_rank=max_rank, out_features=f, xa_col=g * cols,
-                             decode=decode, **kernel_options)
+                             decode=shrink_block_t == 1, **kernel_options)
                  for g, (y, b, r, f) in enumerate(zip(ys, b_rows, ranks, fouts)))
 
 

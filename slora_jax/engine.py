@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import (BLOCKS as LORA_BLOCKS, block_schedule, decode_block_t, fused_applies, fused_schedule,
-                                 shrink_schedule)
+from pallas_kernels.lora import block_schedule, decode_block_t, fused_applies, fused_schedule, shrink_schedule
 from slora_jax import paged
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -818,11 +817,6 @@ class Engine:
         for module, rk in ranks.items():
             mask = (rk > 0).astype(np.int32)
             out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
-        qkv = [m for m in paged.QKV if m in ranks]
-        if backend == "pallas" and group_qkv and len(qkv) > 1 and LORA_BLOCKS["expand"].get("group"):
-            # the grouped q/k/v expand (paged.pool_lora's apply_group): the slots live in any of them
-            mask = np.maximum.reduce([(ranks[m] > 0).astype(np.int32) for m in qkv])
-            out["expand:qkv"] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
         if backend == "pallas":
             # the launches that read A: one per module, q/k/v as one with group_qkv (paged.pool_lora)
             kind, build = ("fused", fused_schedule) if fused_applies(t) else ("shrink", shrink_schedule)

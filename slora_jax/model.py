@@ -7,9 +7,7 @@ ragged prefill and decode). Two things are passed in as functions:
 - `attend(layer, q, k, v, kv) -> (out, kv)`: how attention reads and writes the KV cache;
 - `lora(layer, module, x, y, kv) -> y`: adds the low-rank term `scale_i * (x @ A_i) @ B_i` to the
   projection's base output y (a kernel can accumulate into y in place, with no delta buffer); it
-  sees the current KV state because in the paged engine the adapters live in the same pool. It
-  may have a `group(layer, modules, x, ys, kv) -> ys` attribute for projections that read the
-  same x (q, k and v), which then take their low-rank terms in one call (one kernel launch).
+  sees the current KV state because in the paged engine the adapters live in the same pool.
 
 Layers are unrolled in Python over per-layer arrays: on GPU this measured at the roofline while a
 `fori_loop` over stacked layers did not (shared/ANCHORS.md, "Dense decode anchor").
@@ -82,22 +80,13 @@ def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApp
     return y if lora is None else lora(i, module, x, y, kv)
 
 
-def _projs(layer_params: Params, i: int, modules: tuple, x: jax.Array, lora: LoraApply | None, kv) -> list:
-    """The projections `modules` of one x, their low-rank terms through lora.group where lora has one."""
-    group = getattr(lora, "group", None)
-    if group is None:
-        return [_proj(layer_params, i, m, x, lora, kv) for m in modules]
-    return list(group(i, modules, x, [linear(x, layer_params[m]) for m in modules], kv))
-
-
 def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, attend: Attend, kv,
                   lora: LoraApply | None):
     n = x.shape[0]
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    q, k, v = _projs(p, i, ("q_proj", "k_proj", "v_proj"), h, lora, kv)
-    q = q.reshape(n, cfg.num_attention_heads, cfg.head_dim)
-    k = k.reshape(n, cfg.num_key_value_heads, cfg.head_dim)
-    v = v.reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    q = _proj(p, i, "q_proj", h, lora, kv).reshape(n, cfg.num_attention_heads, cfg.head_dim)
+    k = _proj(p, i, "k_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    v = _proj(p, i, "v_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(i, q, k, v, kv)
     x = x + _proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv)

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import (BLOCK_T as LORA_BLOCK_T, BLOCKS as LORA_BLOCKS, fused_applies, lora_expand,
-                                 lora_expand_group, lora_fused_delta, lora_shrink_group)
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -266,8 +265,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     paged_attention_xla). The kernels add their product into the base output y in place. Under
     "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
     (lora_shrink_group; the step's schedules["shrink:qkv"] covers their slots) and each expands from its
-    columns of that xa; with BLOCKS["expand"]["group"] too, the model's q/k/v group call
-    (`apply.group`, see model.py) expands all three in one launch (lora_expand_group)."""
+    columns of that xa."""
     shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
     fused: dict = {}   # layer -> (x, modules, delta): the same for the fused kernel
 
@@ -312,16 +310,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
         group = (module,)
         if lora.group_qkv and module in QKV:
             group = qkv_group(lora.rows)
-        xa, shrink_bt = shrink(layer, x, rows, group, fin)
-        col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
-        return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
-                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
-                           decode=shrink_bt == 1, token_slot=lora.token_slot)
-
-    def shrink(layer, x, rows, group, fin):
-        """(xa of the modules `group`, the shrink's block_t): one launch a layer and group, at the
-        first of its modules the model applies; the others read its columns."""
-        launch = "qkv" if len(group) > 1 else group[0]
+        launch = "qkv" if len(group) > 1 else module
         shrink_bt = dict(lora.shrink_block_t).get(launch, lora.block_t)  # 1: a decode step's (MBGMV)
         seen = shrunk.get(layer)
         if seen is None or seen[0] is not x or seen[1] != group:
@@ -334,33 +323,11 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 x, rows, a_group, r_group, lora.seg_starts,
                 max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt,
                 token_slot=lora.token_slot))
-        return seen[2], shrink_bt
-
-    def apply_group(layer, modules, x, ys, kv):
-        """q, k and v in one shrink launch and one expand launch (lora_expand_group) under
-        "pallas" with group_qkv and BLOCKS["expand"]["group"], where their outs agree (the step's
-        schedules["expand:qkv"] covers their slots); otherwise `apply` a module at a time."""
-        group = qkv_group(lora.rows)
-        shapes = {cfg.module_shape(m) for m in group}
-        if not (lora.backend == "pallas" and lora.group_qkv and LORA_BLOCKS["expand"].get("group")
-                and tuple(modules) == QKV and len(group) > 1 and len(shapes) == 1 and not fused_applies(x.shape[0])):
-            return [apply(layer, m, x, y, kv) for m, y in zip(modules, ys)]
-        (fin, fout), = shapes
-        pl_ = pool[layer]
-        rows = pl_.reshape(-1, pl_.shape[-1])
-        xa, shrink_bt = shrink(layer, x, rows, group, fin)
-        ranks = lora.qkv_ranks if lora.qkv_ranks is not None else [lora.ranks[m] for m in group]
-        out = lora_expand_group(
-            [ys[modules.index(m)] for m in group], xa, rows, [lora.rows[m][1] for m in group], ranks,
-            lora.seg_starts, max_rank=lora.max_rank, out_features=fout, module_cols=xa.shape[-1] // len(group),
-            schedule=lora.schedules.get("expand:qkv") if lora.schedules else None, block_t=lora.block_t,
-            decode=shrink_bt == 1, token_slot=lora.token_slot)
-        ys = list(ys)
-        for m, y in zip(group, out):
-            ys[modules.index(m)] = y
-        return ys
-
-    apply.group = apply_group
+        xa = seen[2]
+        col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
+        return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
+                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
+                           decode=shrink_bt == 1, token_slot=lora.token_slot)
     return apply
 
 

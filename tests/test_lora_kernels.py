@@ -331,8 +331,8 @@ class TestTritonLowering:
     @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 14336, 1024),
                                                 (11008, 4096, 4096)])
     @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("form,launches", [("apart", 2), ("fused", 1), ("fused_group", 1), ("expand_group", 2)])
-    def test_lowers_to_triton(self, monkeypatch, fin, fout, width, dtype, form, launches):
+    @pytest.mark.parametrize("form,launches", [("apart", 2), ("fused", 1), ("fused_group", 1)])
+    def test_lowers_to_triton(self, fin, fout, width, dtype, form, launches):
         t, sa, r, n = 40, 8, 64, 4096
         sds = jax.ShapeDtypeStruct
         i32 = jnp.int32
@@ -348,13 +348,8 @@ class TestTritonLowering:
             if form == "fused_group":  # three modules sharing x (q, k, v) in one launch
                 return lora.lora_fused_delta(x, rows, jnp.stack([a_rows] * 3), jnp.stack([b_rows] * 3),
                                              jnp.stack([ranks] * 3), seg, **kw)
-            if form == "expand_group":  # one shrink and one expand launch for three modules
-                return lora.lora_apply_group([jnp.zeros((t, fout), dtype)] * 3, x, rows, [a_rows] * 3, [b_rows] * 3,
-                                             [ranks] * 3, seg, max_rank=r, fin=fin, fouts=[fout] * 3, interpret=False)
             return lora.lora_delta(x, rows, a_rows, b_rows, ranks, seg, **kw)
 
-        if form == "expand_group":
-            monkeypatch.setitem(lora.BLOCKS, "expand", {**lora.BLOCKS["expand"], "group": True})
         shapes = (sds((t, fin), dtype), sds((n, width), dtype),
                   sds((sa, -(-r * fin // width)), i32), sds((sa, -(-r * fout // width)), i32),
                   sds((sa,), i32), sds((sa + 1,), i32))
@@ -583,39 +578,6 @@ def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact, early,
         for i, (c, m) in enumerate(zip(cases, made)):
             want = np.asarray(ys[i], np.float64) + dense_delta(x, m[1], m[2], seg, m[4], c.fout)
             assert rel_err(got[i], want) < TOL[jnp.float32], i
-    finally:
-        jax.clear_caches()
-
-
-@pytest.mark.parametrize("block_t,partials,hosted", [(16, True, True), (16, False, False), (1, True, True)],
-                         ids=["bt16_partials_host", "bt16_graph", "mbgmv_partials_host"])
-def test_grouped_expand_matches_each_module(monkeypatch, block_t, partials, hosted):
-    """BLOCKS["expand"]["group"]: q, k and v (one x, one fout) expand in one launch
-    (lora_expand_group); with other ranks per module and a slot only some modules have, each y gets
-    its own module's delta and base rows keep theirs, at the expand's block_t of 16 and at 1
-    (interpret mode on the CPU, compiled on a GPU)."""
-    monkeypatch.setitem(lora.BLOCKS, "expand", {**lora.BLOCKS["expand"], "group": True})
-    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_partials": partials})
-    jax.clear_caches()  # BLOCKS is read at trace time
-    interp = jax.default_backend() != "gpu"  # compiled on the GPU
-    try:
-        cases, made, x, seg, rows, a_rows, b_rows, ranks, union = group_inputs((96, 96, 96), "expand-group")
-        ys = [jnp.asarray(np.random.default_rng(10 + i).normal(size=(TOKENS, c.fout)), jnp.float32)
-              for i, c in enumerate(cases)]
-        schedule = lora.block_schedule(union, seg, TOKENS, block_t) if hosted else None
-        got = lora.lora_apply_group(ys, x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"], max_rank=MAX_RANK,
-                                    fin=64, fouts=[c.fout for c in cases], interpret=interp, block_t=block_t,
-                                    shrink_block_t=1, group_schedule=schedule)
-        for i, (c, m) in enumerate(zip(cases, made)):
-            want = np.asarray(ys[i], np.float64) + dense_delta(x, m[1], m[2], seg, m[4], c.fout)
-            assert rel_err(got[i], want) < TOL[jnp.float32], i
-            base = owner_rank(seg, m[4]) == 0
-            np.testing.assert_array_equal(np.asarray(got[i])[base], np.asarray(ys[i])[base])
-        # one expand launch: the jaxpr holds two pallas_calls (shrink, expand), not four
-        jaxpr = jax.make_jaxpr(lambda *a: lora.lora_apply_group(
-            a[:3], x, rows, a_rows, b_rows, ranks, made[0][0]["seg_starts"], max_rank=MAX_RANK, fin=64,
-            fouts=[96] * 3, interpret=interp, block_t=block_t, shrink_block_t=1, group_schedule=schedule))(*ys)
-        assert str(jaxpr).count("pallas_call") == 2
     finally:
         jax.clear_caches()
 

@@ -262,8 +262,7 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "grouped_expand",
-                                    "per_layer"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
@@ -278,18 +277,8 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config in ("pallas_kernels", "fused_lora", "grouped_expand"):  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "fused_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
-        if config == "grouped_expand":  # q, k and v expand in one launch where they have one width
-            from pallas_kernels import lora
-            from slora_jax import paged
-            monkeypatch.setitem(lora.BLOCKS, "expand", {**lora.BLOCKS["expand"], "group": True})
-            launches, real = [], paged.lora_expand_group
-
-            def spy(ys, *args, **kw):
-                launches.append(len(ys))  # modules in the launch
-                return real(ys, *args, **kw)
-            monkeypatch.setattr(paged, "lora_expand_group", spy)
         if config == "fused_lora":
             from pallas_kernels import lora
             from slora_jax import paged
@@ -319,7 +308,5 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert stats["evictions"] > 0, stats
     if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
         assert max(launches) == (3 if model == "mha" else 1), launches
-    if config == "grouped_expand":  # on gqa (k and v narrower) each module expands apart
-        assert (max(launches) == 3) if model == "mha" else not launches, launches
     assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
     llm.engine.pool.check()
