@@ -112,7 +112,7 @@ if has profile; then
       > "$OUT/profile_step$tag.log" 2>&1
     echo "profile_step $cfg rc=$?"
     if [[ -n $dump ]]; then
-      python3 bench/hlo_commands.py /tmp/slora-hlo --show "$PROFILE_HLO" > "$OUT/hlo.json"
+      python3 bench/hlo_commands.py /tmp/slora-hlo --show "$PROFILE_HLO" --limit "${PROFILE_HLO_LIMIT:-3}" > "$OUT/hlo.json"
       rm -rf /tmp/slora-hlo
     fi
     rm -rf /tmp/slora-prof-* /tmp/slora-trace-*  # a run killed by timeout leaves ~14 GB of adapters

@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("dump_dir")
     ap.add_argument("--match", default="forward_sample")
     ap.add_argument("--show", default=None, help="regex: also print the fused computations of entry "
-                                                 "instructions so named (e.g. loop_reduce_fusion)")
+                                                 "instructions so named (e.g. loop_reduce_fusion; HLO names "
+                                                 "them with '.', where a trace's kernel names have '_')")
+    ap.add_argument("--limit", type=int, default=3, help="at most this many fused computations a module")
     args = ap.parse_args()
     out = {}
     for path in sorted(glob.glob(f"{args.dump_dir}/*{args.match}*after_optimizations.txt")):
@@ -67,7 +69,7 @@ def main() -> None:
         out[path.rsplit("/", 1)[-1]] = {"entry": entry_counts(text),
                                         "command_buffer_computations": len(re.findall(r"^%?command_buffer[\w.]* ", text, re.M))}
         if args.show:
-            out[path.rsplit("/", 1)[-1]]["fusions"] = fusion_bodies(text, args.show)
+            out[path.rsplit("/", 1)[-1]]["fusions"] = fusion_bodies(text, args.show, args.limit)
     print(json.dumps(out, indent=1))
 
 
