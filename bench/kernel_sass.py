@@ -42,7 +42,8 @@ def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
     return max(0, min(by_regs, by_shared, SM_THREADS // (32 * num_warps), SM_BLOCKS))
 
 
-def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, out_dir: Path) -> dict:
+def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, out_dir: Path,
+          y_dtype: str = "bfloat16") -> dict:
     """Lower the shrink and the expand for a decode step (tokens spread over adapters of rank
     max_rank // 4) to Triton IR files in out_dir; returns {name: (path, num_warps, num_stages)}."""
     import jax
@@ -86,7 +87,7 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
                 *a, max_rank=max_rank, in_features=features, interpret=True, block_t=shrink_bt,
                 max_programs=lora.BLOCKS["shrink"]["max_programs"]), x, rows, a_rows, ranks, seg, sched)
             xa = jnp.zeros(xa_shape.shape, xa_shape.dtype)
-            y = jnp.zeros((tokens, features), jnp.bfloat16)
+            y = jnp.zeros((tokens, features), y_dtype)  # the engine's: bf16; bench/kernels.py's default: f32
             bsched = tuple(map(jnp.asarray, lora.block_schedule(np.asarray(ranks), np.asarray(seg), tokens, block_t)))
             jax.jit(lambda *a: lora._expand(*a, max_rank=max_rank, out_features=features, interpret=False,
                                             block_t=block_t, max_programs=lora.BLOCKS["expand"]["max_programs"])
@@ -130,6 +131,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", type=int, default=4096, help="pool row width W")
     ap.add_argument("--features", type=int, default=4096, help="the module's in (shrink) and out (expand)")
     ap.add_argument("--blocks", default="", help="JSON merged into pallas_kernels.lora.BLOCKS")
+    ap.add_argument("--y-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the expand's y (the engine adds into bf16 projection outputs; bench/kernels.py's "
+                         "delta form is float32)")
     ap.add_argument("--keep", default="", help="a folder for the .ttir / .ptx / .sass files")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
@@ -143,7 +147,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.keep or tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = lower(args.tokens, args.adapters, args.max_rank, args.width, args.features, out_dir)
+        jobs = lower(args.tokens, args.adapters, args.max_rank, args.width, args.features, out_dir, args.y_dtype)
         result = compile_all(jobs, py)
     for name, r in result.items():
         r["programs_per_sm"] = programs_per_sm(r["registers"], r["shared"], r["num_warps"])

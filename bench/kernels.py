@@ -35,7 +35,11 @@ and reports the kernels' own busy time per call (JSON "device"; printed under ea
 the targets line): the measure of a kernel's achieved bandwidth where the two differ.
 
 Bytes that must move, per call: x read once; each distinct adapter's real-rank A [r, in] and B [r,
-out] read once; y (float32 [T, out]) written once and read once by expand. Achieved bandwidth =
+out] read once; y ([T, out], `--y-dtype`) written once and read once by expand. y is float32 by
+default (a delta buffer, the form of every run before session 19); `--y-dtype bfloat16` is the
+engine's form, in which the expand adds into the bf16 output of the base projection in place (and
+the kernel holds y in bf16 registers through its rank loop: session 19 found the float32 y costs
+the expand ~30 more registers a thread, 94 against the engine's 64). Achieved bandwidth =
 bytes / time, reported as a fraction of the copy bandwidth (bench/engine_bench.copy_bandwidth: an
 elementwise a*1.0001 over 2 GiB, read + write). Every variant's output is checked against the xla
 reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2); the error is in the
@@ -243,10 +247,10 @@ class LoraPool:
         self.rows = jax.random.normal(jax.random.PRNGKey(seed), (n_rows, width), jnp.bfloat16)
         self.n_rows, self.per_class = n_rows, o["per_class"]
 
-    def bytes(self, t: int, n: int) -> dict:
+    def bytes(self, t: int, n: int, y_bytes: int = 4) -> dict:
         ranks = [self.cycle[s % len(self.cycle)] for s in range(n)]
         b = {"x": t * self.fin * 2, "adapters": sum(r * (self.fin + self.fout) * 2 for r in ranks),
-             "y": 2 * t * self.fout * 4}
+             "y": 2 * t * self.fout * y_bytes}
         b["total"] = sum(b.values())
         return b
 
@@ -318,7 +322,8 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
 
 def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) -> dict:
     fin, fout, rmax = pool.fin, pool.fout, pool.max_rank
-    by = pool.bytes(t, n)
+    ydt = jnp.dtype(opts.get("y_dtype", "float32"))
+    by = pool.bytes(t, n, ydt.itemsize)
     set_bytes = by["x"] + by["adapters"] + by["y"] // 2
     k_sets = 2 if opts["quick"] else max(2, min(MAX_SETS, -(-ROTATE_BYTES // set_bytes)))
     sets = pool.sets(t, n, k_sets, seed)
@@ -333,19 +338,22 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     def pallas(rows, s):
         x, a, b, r, seg = args(s)
-        return lora_delta(x, rows, a, b, r, seg, backend="pallas", interpret=interp, schedule=s["pallas_schedule"],
-                          shrink_schedule=s["shrink_schedule"], block_t=block_t, shrink_block_t=shrink_bt, **kw)
+        # y in ydt, the kernel's output dtype (bfloat16: the engine's form, which adds into the
+        # base projection's bf16 output in place; float32: a delta buffer)
+        return lora_kernels.lora_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg, interpret=interp,
+                                       schedule=s["pallas_schedule"], shrink_schedule=s["shrink_schedule"],
+                                       block_t=block_t, shrink_block_t=shrink_bt, **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
-        return lora_delta(x, rows, a, b, r, seg, backend="xla", **kw)
+        return lora_delta(x, rows, a, b, r, seg, backend="xla", **kw).astype(ydt)
 
     def onehot(rows, s):
         return lora_xla(s["x"], rows, s["a_rows"], s["b_rows"], s["ranks"], s["tok"], rmax, fin,
-                        fout)
+                        fout).astype(ydt)
 
     def padded(_, s):
-        return padded_bmm(s["x"], s["A"], s["B"], s["tok"])
+        return padded_bmm(s["x"], s["A"], s["B"], s["tok"]).astype(ydt)
 
     padded_sets = []
 
@@ -360,11 +368,11 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
 
     def triton(rows, s):
         x, a, b, r, seg = args(s)
-        return triton_lora.lora_delta(x, rows, a, b, r, seg, schedule=s["schedule"], **kw)
+        return triton_lora.lora_delta(x, rows, a, b, r, seg, schedule=s["schedule"], **kw).astype(ydt)
 
     def fused(rows, s):
         x, a, b, r, seg = args(s)
-        return lora_kernels.lora_fused_apply(jnp.zeros((t, fout), jnp.float32), x, rows, a, b, r, seg,
+        return lora_kernels.lora_fused_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
                                              max_rank=rmax, fin=fin, fout=fout, interpret=interp,
                                              schedule=s["fused_schedule"])
 
@@ -377,7 +385,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     padded_sets.clear()
     same = same_bytes_copy(by["total"], k_sets, bw, opts)
     ranks = [pool.cycle[s % len(pool.cycle)] for s in range(n)]
-    out = {"module": pool.name, "fin": fin, "fout": fout, "tokens": t, "adapters": n,
+    out = {"module": pool.name, "fin": fin, "fout": fout, "tokens": t, "adapters": n, "y_dtype": ydt.name,
            "ranks": sorted(set(ranks)), "mixed_ranks": len(set(ranks)) > 1, "max_rank": rmax,
            "width": pool.width, "pool_rows": pool.n_rows, "bytes": by, "sets": k_sets,
            "set_bytes": set_bytes, "sets_exceed_l2": k_sets * set_bytes > L2_BYTES,
@@ -619,6 +627,10 @@ def main() -> None:
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each variant's calls once and report the device's kernel time per call "
                          "(JSON \"device\"; the table's wall-clock times include host dispatch and launch gaps)")
+    ap.add_argument("--y-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="dtype of y, the LoRA variants' output (float32: a delta buffer, the default so far; "
+                         "bfloat16: the engine's form, the Pallas expand adding into the bf16 projection output); "
+                         "y's bytes follow it")
     ap.add_argument("--lora-variants", default=None,
                     help=f"comma list of LoRA variants to time besides xla_ref (default all: {','.join(VARIANTS)})")
     args = ap.parse_args()
@@ -639,6 +651,7 @@ def main() -> None:
     dev = jax.devices()[0]
     o["quick"] = args.quick
     o["device_time"] = args.device_time
+    o["y_dtype"] = args.y_dtype
     o["lora_variants"] = [v for v in (args.lora_variants or "").split(",") if v]
     if set(o["lora_variants"]) - set(VARIANTS):
         raise SystemExit(f"--lora-variants: unknown {sorted(set(o['lora_variants']) - set(VARIANTS))}; known {VARIANTS}")

@@ -610,6 +610,23 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
 
 
+def test_kernels_py_quick_bf16_y(tmp_path):
+    """bench/kernels.py --y-dtype bfloat16 (the engine's form: the expand adds into a bf16 y):
+    every variant's bf16 output checked against the reference's, y's bytes at 2 a value."""
+    out = {}
+    for yd in ("float32", "bfloat16"):
+        out[yd] = tmp_path / f"k-{yd}.json"
+        p = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick", "--skip", "attention",
+                            "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--y-dtype", yd,
+                            "--lora-variants", "pallas,padded", "--out", str(out[yd])],
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    (f32,), (b16,) = (json.loads(out[yd].read_text())["lora"] for yd in ("float32", "bfloat16"))
+    assert (f32["y_dtype"], b16["y_dtype"]) == ("float32", "bfloat16")
+    assert b16["bytes"]["y"] * 2 == f32["bytes"]["y"] and b16["bytes"]["adapters"] == f32["bytes"]["adapters"]
+    assert all(b16["variants"][v]["ok"] for v in ("pallas", "padded")), b16["variants"]
+
+
 def test_programs_per_sm_limits():
     """bench/kernel_sass.programs_per_sm: registers are allocated per warp in units of 256, and
     shared memory, threads and the 32-block limit cap an SM's resident programs."""
