@@ -221,6 +221,19 @@ BLOCKS = {
 # the setting (12 settings and 7 more in three sweeps; 9.1 us is 60%): each kernel takes >= 8.3 us.
 # Session 14's split_partials settings: 18.7-19.3 us.
 
+# Session 19 (H200, the S2 decode step, bench/results/20261130-66a79da/call6-profile-expand/; LoRA
+# kernels 5.00 ms a step at the defaults, each expand 0.71-0.73): expand y_first off 5.03 (62
+# registers by bench/kernel_sass.py against 78: 8 programs an SM against 6, no gain); y_first and
+# prefetch_next off, so Triton pipelines the rank loop itself with cp.async (56 registers), 6.17,
+# with num_stages 3 6.45; rank_tile 32 5.86. The q, k and v expands as one launch (a grid over
+# (module, column tile), each program picking its module's y by masked loads and stores; commits
+# 0d3beca and d5f5f54, reverted): 5.20 (bench/results/20261130-d5f5f54/). The expand is bound
+# per program: Nsight Compute on the step's own launches (20261130-c856a28/) gives each expand
+# 23 us for 40 MB at 64 registers, 43% occupancy, 38% of DRAM bandwidth, with an instruction
+# issued on 54% of cycles. A float32 y (bench/kernels.py's default delta buffer) costs it ~17-30
+# registers (held through the rank loop by y_first): kernels.py --y-dtype bfloat16 times the
+# engine's form.
+
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
 def _merge_blocks(over: str | dict, source: str = "SLORA_LORA_BLOCKS", into: dict = BLOCKS) -> None:
