@@ -193,7 +193,7 @@ if has ncustep; then
       --backends "${PROFILE_BACKENDS:-hybrid/pallas/grouped}" > "$OUT/ncustep.csv" 2> "$OUT/ncustep.log"
   echo "ncustep rc=$?"; tail -5 "$OUT/ncustep.log"; grep -c '"' "$OUT/ncustep.csv"
 fi
-[[ ${XLA_CACHE_SAVE:-1} == 0 ]] || xla_cache_save
+xla_cache_save  # skipped under XLA_CACHE_SAVE=0
 # The device tool brings back at most 8 files from $OUT: a call with more (profiles of several
 # settings write two each) packs them into one archive, $OUT/<parts>.tgz (PACK=0: never; 1: always).
 n_files=$(find "$OUT" -type f | wc -l)

@@ -195,5 +195,5 @@ case $group in
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \
-  cp "$RES/variants-$group.log" "$OUT"/ && xla_cache_save
+  cp "$RES"/variants-"$group"*.log "$OUT"/ && xla_cache_save
 ls "$RES"

@@ -12,8 +12,8 @@ if [[ -f .xla-cache.tgz ]]; then
   tar xzf .xla-cache.tgz -C "$JAX_COMPILATION_CACHE_DIR" && \
     echo "xla cache: restored $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries"
 fi
-xla_cache_save() {
-  [[ -n ${OUT:-} ]] || return 0
+xla_cache_save() {  # XLA_CACHE_SAVE=0: not at all (every script that sources this file)
+  [[ -n ${OUT:-} && ${XLA_CACHE_SAVE:-1} != 0 ]] || return 0
   local tgz=/tmp/xla-cache.tgz
   tar czf "$tgz" -C "$JAX_COMPILATION_CACHE_DIR" . || return 0
   rm -f "$OUT"/xla-cache.tgz*
