@@ -96,9 +96,9 @@ from jax.experimental.pallas import triton as plgpu
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2, split_k=4, split_k_max_tokens=256,
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
-                   max_programs=256, early_loads=True, split_partials=True, splits_first=False, one_pass=False),
+                   max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256, early_loads=False, cols_first=False, one_pass=False),
+                   max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
     # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
     # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
@@ -284,27 +284,19 @@ def _program_ids(ndim: int, last_first: bool) -> tuple:
     return (*ids[1:], ids[0]) if last_first else tuple(ids)
 
 
-def _blocks(p, n_programs, total_ref, sched_ref, body, early: bool = False, one_pass: bool = False):
+def _blocks(p, n_programs, total_ref, sched_ref, body, early: bool = False):
     """Run body(col) for blocks b = p, p + n_programs, ... below the schedule's live total, col
     being the schedule's column b (a tuple of its rows). early: each column is read one trip
     ahead, the first beside the total (p < n_programs <= the schedule's length, so it is in
     bounds; later reads clamp to the last column), so a program's first loads wait on one round
     trip to memory, not two (most decode programs have exactly one block); else each column is
-    read in its own trip, after the total. one_pass, where every column has a program of its own
-    (n_programs >= the schedule's length: a decode step's expand): body(column p), with no loop
-    and no read of the total, so the program's loads do not wait for it. A column past the live
-    total is a block of no tokens (its first token at or past its end: `_block_schedule`), whose
-    body stores nothing."""
+    read in its own trip, after the total."""
     n_rows, n_cols = sched_ref.shape
+    total = total_ref[0]
+    trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
 
     def read(b):
         return tuple(sched_ref[i, b] for i in range(n_rows))
-
-    if one_pass and n_programs >= n_cols:
-        body(read(p))
-        return
-    total = total_ref[0]
-    trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
 
     if not early:
         def one(i, carry):
@@ -371,7 +363,7 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                    n_programs, block_t, rank_tile, col_tile, fin, width, dtype, split_k, interpret,
                    slots, tiles, module_cols, max_rank, static_split=False, prefetch_next=False,
                    hoist_rows=False, compact_tiles=False, early_loads=False, partials=False,
-                   splits_first=False, one_pass=False):
+                   splits_first=False):
     # Grid axis 1 walks (module, rank tile) pairs: a grouped call (modules sharing x, e.g. q, k, v)
     # shrinks every module in one launch; module g's A rows and ranks are row block g of a_rows
     # and ranks ([G * Sa, ...]) and its xa columns start at g * module_cols.
@@ -437,7 +429,7 @@ def _shrink_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, x_ref, rows_ref,
                 plgpu.atomic_add(xa_ref, (pl.ds(start, block_t), cols), acc,
                                  mask=None if interpret else mask)  # interpret mode: no masks
 
-    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads, one_pass=one_pass)
+    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
 
 
 def _when(cond):
@@ -449,7 +441,7 @@ def _when(cond):
 
 def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
                    n_programs, block_t, rank_tile, col_tile, fout, width, dtype, xa_col, max_rank, y_first=False,
-                   prefetch_next=False, early_loads=False, cols_first=False, one_pass=False):
+                   prefetch_next=False, early_loads=False, cols_first=False):
     # xa_col: where this module's columns start in xa (a grouped shrink's xa holds several).
     # cols_first: the grid is (column tile, program) instead (see `_grid`).
     p, o = _program_ids(2, cols_first)         # o: this program's output column tile
@@ -495,7 +487,7 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
 
-    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads, one_pass=one_pass)
+    _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
 
 
 def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref, rows_ref, _d_in, d_ref, *,
@@ -728,7 +720,7 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
         static_split=blocks.get("static_split", False), prefetch_next=blocks.get("prefetch_next", False),
         hoist_rows=blocks.get("hoist_rows", False), compact_tiles=compact,
         early_loads=blocks.get("early_loads", False), partials=partials,
-        splits_first=blocks.get("splits_first", False), one_pass=blocks.get("one_pass", False))
+        splits_first=blocks.get("splits_first", False))
     shape = (split_k, rows_out, n_modules * module_cols) if partials else (rows_out, n_modules * module_cols)
     return pl.pallas_call(
         kernel,
@@ -760,8 +752,7 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,
         y_first=blocks.get("y_first", False), prefetch_next=blocks.get("prefetch_next", False),
-        early_loads=blocks.get("early_loads", False), cols_first=blocks.get("cols_first", False),
-        one_pass=blocks.get("one_pass", False))
+        early_loads=blocks.get("early_loads", False), cols_first=blocks.get("cols_first", False))
     return pl.pallas_call(
         kernel,
         grid=_grid((n_programs, out_features // col_tile), blocks.get("cols_first", False)),

@@ -504,41 +504,6 @@ def test_block_variants_match_dense(monkeypatch, blocks):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["decode", "mixed", "whole_batch", "gqa_w_not_dividing"])
-def test_one_pass_matches_dense(monkeypatch, name):
-    """BLOCKS[...]["one_pass"]: where every schedule column has a program of its own, the kernels
-    run their one block with no loop and no read of the live total, so programs past it run a
-    block of no tokens (whose columns point into the last slot, live in "decode"): the delta and
-    the base rows as with the loop, at the engine's decode block_t (shrink 1, expand 16) on host
-    schedules, and the loop over blocks really gone (fewer while loops in the kernels' jaxprs)."""
-    case = CASES[name]
-    arr, a_mats, b_mats, seg, ranks = make_inputs(case, jnp.float32, seed=seed_of("one_pass", name))
-    t = arr["x"].shape[0]
-    sched = lora.block_schedule(arr["ranks"], seg, t)
-    y = jnp.asarray(np.random.default_rng(3).normal(size=(t, case.fout)), jnp.float32)
-    whiles = {}
-    for on in (False, True):
-        for kind in ("shrink", "expand"):
-            monkeypatch.setitem(lora.BLOCKS, kind, {**lora.BLOCKS[kind], "one_pass": on})
-        jax.clear_caches()  # BLOCKS is read at trace time
-        try:
-            shrink_sched = lora.shrink_schedule(arr["ranks"], seg, t, 1, max_rank=MAX_RANK)
-
-            def apply(y):
-                return lora.lora_apply(y, *delta_args(arr)[:5], arr["seg_starts"], max_rank=MAX_RANK, fin=case.fin,
-                                       fout=case.fout, interpret=True, schedule=sched, shrink_schedule=shrink_sched,
-                                       shrink_block_t=1)
-            got = apply(y)
-            whiles[on] = str(jax.make_jaxpr(apply)(y)).count("while[")
-        finally:
-            jax.clear_caches()
-        want = np.asarray(y, np.float64) + dense_delta(arr["x"], a_mats, b_mats, seg, ranks, case.fout)
-        assert rel_err(got, want) < TOL[jnp.float32], on
-        base = owner_rank(seg, ranks) == 0
-        np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
-    assert whiles[True] < whiles[False], whiles
-
-
 def test_split_partials_planes(monkeypatch):
     """split_partials: lora_shrink_group returns one plane of partial sums per split (their sum is
     xa), lora_shrink still returns xa with exact zeros past each token's rank, and lora_expand
