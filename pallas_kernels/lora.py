@@ -232,7 +232,10 @@ BLOCKS = {
 # 23 us for 40 MB at 64 registers, 43% occupancy, 38% of DRAM bandwidth, with an instruction
 # issued on 54% of cycles. A float32 y (bench/kernels.py's default delta buffer) costs it ~17-30
 # registers (held through the rank loop by y_first): kernels.py --y-dtype bfloat16 times the
-# engine's form.
+# engine's form. Also lost (commit 28909b0, reverted; 20261130-28909b0/): "one_pass", each program
+# running its one block with no loop and no read of the live total where the grid covers every
+# block (a decode step's expand): each expand 0.72 -> 0.93 ms in the step, 8.2 -> 9.2 us at
+# issue 4's point (registers unchanged by kernel_sass; the loop-free body compiles slower).
 
 # SLORA_LORA_BLOCKS: JSON merged into BLOCKS at import (a benchmark's way to time a setting in a
 # process it does not drive itself, e.g. bench/gpu_check.sh's PROFILE_BLOCKS).
