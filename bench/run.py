@@ -395,12 +395,16 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
         "prefill_step_seconds_count", "prefill_step_seconds_sum", "decode_step_seconds_count",
         "decode_step_seconds_sum", "batch_size_count", "batch_size_sum", "batch_adapters_count",
         "batch_adapters_sum", "decode_batch_size_count", "decode_batch_size_sum", "decode_batch_adapters_count",
-        "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps")}
+        "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps",
+        "prefill_load_step_seconds_count", "prefill_load_step_seconds_sum")}
 
     def mean(total, n):
         return d[total] / d[n] if d[n] else None
     return {"prefill_steps": d["prefill_step_seconds_count"], "decode_steps": d["decode_step_seconds_count"],
             "prefill_step_s_mean": mean("prefill_step_seconds_sum", "prefill_step_seconds_count"),
+            # of those, the ones that paged an adapter in first (its copy and scatter on their path)
+            "prefill_steps_with_loads": d["prefill_load_step_seconds_count"],
+            "prefill_step_with_loads_s_mean": mean("prefill_load_step_seconds_sum", "prefill_load_step_seconds_count"),
             "decode_step_s_mean": mean("decode_step_seconds_sum", "decode_step_seconds_count"),
             "seqs_per_step_mean": mean("batch_size_sum", "batch_size_count"),
             "adapters_per_step_mean": mean("batch_adapters_sum", "batch_adapters_count"),
@@ -503,6 +507,8 @@ def table(result: dict) -> str:
                      ("sequences / adapters a step", f"{num(k['seqs_per_step_mean'])} / {num(k['adapters_per_step_mean'])}"),
                      ("sequences / adapters a decode step",
                       f"{num(k.get('decode_seqs_per_step_mean'))} / {num(k.get('decode_adapters_per_step_mean'))}"),
+                     ("prefill steps that paged an adapter in first (ms each)",
+                      f"{k.get('prefill_steps_with_loads', '-')} ({ms(k.get('prefill_step_with_loads_s_mean'))})"),
                      ("prefetch hits / misses", f"{k['prefetch_hits']} / {k['prefetch_misses']}")]
         ph = p.get("step_seconds")
         if ph and p.get("steps"):

@@ -87,6 +87,8 @@ class EngineMetrics:
         self.decode_batch_adapters = Histogram("distinct adapters per decode step", COUNT_BUCKETS)
         self.prefill_step_seconds = Histogram("prefill step time (dispatch to results)")
         self.decode_step_seconds = Histogram("decode step time (dispatch to results)")
+        self.prefill_load_step_seconds = Histogram(
+            "prefill step time (dispatch to results) of the prefill steps that paged an adapter in first")
         self.mixed_steps = Counter("prefill steps that also decoded running requests (mixed_steps)")
         # pool
         self.resident_adapters = Gauge("adapter versions with pages in the pool")

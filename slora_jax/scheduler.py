@@ -335,6 +335,8 @@ class Scheduler:
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
             if plan.kind == "prefill":
                 self._last_prefill_s = seconds
+                if plan.loads:  # an adapter's copy and scatter ran on this step's critical path
+                    m.prefill_load_step_seconds.observe(seconds)
         adapters = len({r.adapter.key for r in plan.requests if r.adapter is not None})
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(adapters)

@@ -183,6 +183,8 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     # decode steps alone: at least as many rows as the average step (prefill steps pack few prompts)
     assert k["seqs_per_step_mean"] <= k["decode_seqs_per_step_mean"]
     assert 0.0 < k["decode_adapters_per_step_mean"] <= k["decode_seqs_per_step_mean"]
+    # S1's 2000-odd adapters: some prefill steps page one in first (their copy on the step's path)
+    assert 0 < k["prefill_steps_with_loads"] <= k["prefill_steps"] and k["prefill_step_with_loads_s_mean"] > 0
     assert ph["device_wait"] > 0 and ph["inputs"] > 0 and all(v >= 0 for v in ph.values())
     assert sum(ph.values()) <= p["wall_s"]
     st = p["serving_trace"]  # 4 traced steps, summed by kernel on the CPU client's XLA threads

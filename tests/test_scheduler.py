@@ -76,6 +76,7 @@ class Sim:
         self.bound: dict[int, tuple] = {}          # id(request) -> adapter key it was admitted with
         self.requests: list[Request] = []
         self.batches: list = []                    # (kind, n seqs, distinct adapters)
+        self.prefill_load_steps = 0                # prefill steps that paged an adapter in first
         self.hook = None                           # called after each prefetch (mid-step)
 
     def register(self, name: str, pages: int = 4) -> AdapterEntry:
@@ -122,6 +123,7 @@ class Sim:
             assert held == [r.adapter.key] * len(held), f"{r.rid} reads {held}, wants {r.adapter.key}"
         self.batches.append((plan.kind, len(plan.chunks),
                              len({r.adapter.key for r in plan.requests if r.adapter is not None})))
+        self.prefill_load_steps += plan.kind == "prefill" and bool(plan.loads)
         busy = self.cost.step(plan)
         critical = self.cost.load * len(plan.loads)    # loaded before the step could start
         pre = s.prefetch(plan)
@@ -460,6 +462,7 @@ def test_metrics_count_what_happened():
     assert m.queue_length.value == m.running.value == m.kv_pages.value == 0
     assert m.evictions.value == sim.pool.evictions > 0
     assert m.prefetch_hits.value + m.prefetch_misses.value > 0
+    assert 0 < m.prefill_load_step_seconds.count == sim.prefill_load_steps < m.prefill_step_seconds.count
     snap = m.snapshot()
     assert snap["ttft_seconds_count"] == m.ttft_seconds.count and snap["ttft_seconds_p50"] <= snap["ttft_seconds_p99"]
     assert all(isinstance(v, (int, float)) for v in snap.values())
