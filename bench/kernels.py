@@ -8,7 +8,8 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
 (mixed ranks); max rank 64 (the engine's bucket). Module shapes of llama-7b: q/k/v/o (H->H), gate/up
 (H->I), down (I->H); pool width W = kv_size. Variants, timed in one run on the same inputs:
 
-  pallas   pallas_kernels.lora.lora_delta(backend="pallas"): the segment-form Triton-lowered kernels,
+  pallas   pallas_kernels.lora.lora_apply into a zero y of `--y-dtype` (float32: what
+           lora_delta(backend="pallas") does): the segment-form Triton-lowered kernels,
            given the schedules built on the host (pallas_kernels.lora.block_schedule and
            shrink_schedule), as the engine passes them; the expand reads the shrink's padded xa
            directly, as in the engine (before session 12 a slice copy of xa came between them)
