@@ -22,6 +22,10 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            n/a (null in the JSON) where it cannot run: no GPU, or jax-triton missing
   fused    pallas_kernels.lora.lora_fused_apply into a zero y: shrink and expand in one launch
            (BLOCKS["fused"]), its schedule built on the host (fused_schedule)
+  coop     triton_kernels.lora.lora_coop_apply into a zero y: shrink and expand in one launch, the
+           programs of a token block sharing its shrink through partial planes and counters in
+           global memory (BLOCKS["coop"] there); its schedule built on the host (coop_schedule).
+           n/a where triton is
 
 Inputs: one pool of rows [N, W] per module shape (bf16, random normal, larger than L2); each adapter
 is a set of rows at random positions of it (the A^T and B rows the engine's layout puts there); the
@@ -89,9 +93,9 @@ L2_BYTES = 50 << 20          # H200 L2
 ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
 MAX_SETS = 12
 TOL = 2e-2                   # max |variant - xla reference| / max |reference|, bf16
-VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused")
+VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused", "coop")
 LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded",
-          "triton": "triton", "fused": "fused"}
+          "triton": "triton", "fused": "fused", "coop": "coop"}
 TARGETS = {"lora_bw": 0.60, "vs_padded": 2.0, "attn_bw": 0.70}
 
 FULL = dict(hidden=4096, width=4096, inter=11008, tokens=(64, 256), adapters=(1, 8, 32, 64),
@@ -281,6 +285,8 @@ class LoraPool:
                     max_rank=self.max_rank))),
                 "fused_schedule": tuple(map(jnp.asarray, lora_kernels.fused_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
+                "coop_schedule": tuple(map(jnp.asarray, triton_lora.coop_schedule(
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
             out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else tuple(
@@ -377,8 +383,14 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
                                              max_rank=rmax, fin=fin, fout=fout, interpret=interp,
                                              schedule=s["fused_schedule"])
 
+    def coop(rows, s):
+        x, a, b, r, seg = args(s)
+        return triton_lora.lora_coop_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
+                                           schedule=s["coop_schedule"], **kw)
+
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
-                "triton": triton if opts["triton"] else None, "fused": fused}  # None: reported as n/a
+                "triton": triton if opts["triton"] else None, "fused": fused,
+                "coop": coop if opts["triton"] else None}  # None: reported as n/a
     if opts.get("lora_variants"):  # a sweep times only the named ones (the reference always runs)
         variants = {k: (v if k == "xla_ref" or k in opts["lora_variants"] else None) for k, v in variants.items()}
     res = measure(variants, "xla_ref", lambda name: None if name == "padded" else pool.rows,
@@ -396,7 +408,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
                               if p and "us" in p and res[other] and "us" in res[other] else None)
-                      for other in ("padded", "onehot", "xla_ref", "triton", "fused")}
+                      for other in ("padded", "onehot", "xla_ref", "triton", "fused", "coop")}
     return out
 
 
@@ -536,7 +548,7 @@ def table(result: dict) -> str:
                      "per call, bytes/time as % of copy bw (! = wrong vs xla-ref)")
         head = (f"{'module':<8}{'T':>4}{'n':>4}{'MB':>7} |" +
                 "|".join(f"{LABELS[v]:>15}" for v in VARIANTS[:4]) +
-                f"| {'triton':<17} | {'fused':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} | {'max err':>7}")
+                f"| {'triton':<17} | {'fused':<15} | {'coop':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} | {'max err':>7}")
         lines.append(head)
         lines.append("-" * len(head))
         if not all(c["sets_exceed_l2"] for c in result["lora"]):
@@ -551,7 +563,7 @@ def table(result: dict) -> str:
                 f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
                 f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
                 "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
-                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {gbps} {_x(c['speedup']['padded']):>6} "
+                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {_cell(v.get('coop'))} | {gbps} {_x(c['speedup']['padded']):>6} "
                 f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
         if result.get("lora_skipped"):
             lines.append(f"skipped (time budget): {', '.join(result['lora_skipped'])}")

@@ -11,7 +11,8 @@ and torch: $SLORA_TRITON_PYTHON, else the oracle's ($SLORA_ORACLE_PYTHON or .ven
 triton imports there. Skips when there is none.
 
 test_compiles_for_h200 compiles both kernels for sm_90 with Triton's compiler (to a cubin, on the
-CPU) through the same Python. TestTritonGPU runs the jax-triton wrappers, compiled, against the same references; it skips unless
+CPU) through the same Python. TestTritonGPU runs the jax-triton wrappers, compiled, against the same
+references; it skips unless
 JAX's default backend is a GPU and jax_triton imports.
 """
 
@@ -123,6 +124,33 @@ def _job(name: str, kernel: str, plan, arrays: dict) -> dict:
     return dict(name=name, kernel=kernel, arrays=keys, const=const, grid=list(grid))
 
 
+def coop_inputs(name, dtype):
+    """(case, (y, x, rows, a_rows, b_rows, ranks, seg_starts)) for lora_coop_apply."""
+    case = CASES[name]
+    arr, *_ = make_inputs(case, dtype, seed_of("coop", name, dtype))
+    y = jnp.asarray(np.random.default_rng(seed_of("coop-y", name)).normal(size=(TOKENS, case.fout)), dtype)
+    return case, (y, *delta_args(arr))
+
+
+def coop_want(case, args):
+    y, x, rows, a_rows, b_rows, ranks, seg = args
+    xa = ref.lora_shrink_reference(x, rows, a_rows, ranks, seg, max_rank=MAX_RANK, in_features=case.fin)
+    return ref.lora_expand_reference(y, xa, rows, b_rows, ranks, seg, max_rank=MAX_RANK, out_features=case.fout)
+
+
+def _coop_job(name: str, case, args, arrays: dict) -> dict:
+    """The coop kernel's launch with its host-built schedule; the partial planes start as NaN, so a
+    read of an entry no chunk wrote shows. Few spins: the interpreter runs one program at a time,
+    so the first program of each item computes its other chunks after waiting SPINS times."""
+    y, x, rows, a_rows, b_rows, ranks, seg = args
+    schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK)
+    arrs, const, grid, _, outs = tk.coop_plan(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
+                                              schedule=schedule)
+    job = _job(name, "lora_coop_kernel", (arrs, {**const, "SPINS": 4}, grid, None), arrays)
+    job["outs"] = [["alias", len(arrs) - 2], ["alias", len(arrs) - 1], ["new", list(outs[2].shape), "float32", "nan"]]
+    return job
+
+
 FEW = Case(ranks=(8, 1, 0, 4), lens=(9, 3, 2, 11))  # see test_few_programs_small_max_rank
 FEW_KW = dict(block_t=32, max_programs=2)
 
@@ -146,6 +174,10 @@ def interpreted(tmp_path_factory):
     x, rows, a_rows, b_rows, ranks, seg = delta_args(arr)
     plan = tk.shrink_plan(x, rows, a_rows, ranks, seg, max_rank=8, in_features=FEW.fin, **FEW_KW)
     jobs.append(_job("few-shrink", "lora_shrink_kernel", plan, arrays))
+
+    for name in CASES:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            jobs.append(_coop_job(f"coop-{name}-{DTYPE_ID[dtype]}", *coop_inputs(name, dtype), arrays))
 
     work = tmp_path_factory.mktemp("triton_interpret")
     (work / "jobs.json").write_text(json.dumps(jobs))
@@ -186,16 +218,48 @@ class TestInterpreter:
         assert rel_err(interpreted["few-shrink"], want) < 1e-5
 
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_coop(self, interpreted, name, dtype):
+        """Shrink and expand in one launch (lora_coop_kernel), each token block's chunks shared
+        through partial planes and counters: the references' y + x A B."""
+        case, args = coop_inputs(name, dtype)
+        got = interpreted[f"coop-{name}-{DTYPE_ID[dtype]}"]
+        assert rel_err(got, coop_want(case, args)) < TOL[dtype] * 2, rel_err(got, coop_want(case, args))
+        if name != "base_only":  # a delta was added, not y handed back
+            assert rel_err(got, args[0]) > 0.1, rel_err(got, args[0])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_coop_schedule_host_matches_graph(name):
+    """coop_schedule (numpy, as the engine builds schedules) and the in-graph table agree, and the
+    live programs cover each live token block's chunks once."""
+    case, (y, x, rows, a_rows, b_rows, ranks, seg) = coop_inputs(name, jnp.bfloat16)
+    table, live = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK)
+    g_table, g_live = tk._coop_schedule_jnp(ranks, seg, TOKENS, max_rank=MAX_RANK, block_t=ref.BLOCK_T)
+    np.testing.assert_array_equal(table, np.asarray(g_table))
+    np.testing.assert_array_equal(live, np.asarray(g_live))
+    r = np.minimum(np.asarray(ranks), MAX_RANK)
+    want = sum(-(-(int(seg[s + 1]) - int(seg[s])) // ref.BLOCK_T) * -(-int(r[s]) // 16) * tk.BLOCKS["coop"]["n_kc"]
+               for s in range(len(r)) if r[s] > 0)
+    assert live[0] == want
+    rows_ = table[:live[0]]
+    assert sorted(map(tuple, rows_[:, [0, 5]])) == sorted({(i, c) for i, c in map(tuple, rows_[:, [0, 5]])})
+    assert (rows_[:, 5] < rows_[:, 6]).all() and (table[live[0]:] == 0).all()
+
+
 _TRITON_TYPE = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16",
                 jnp.dtype(jnp.int32): "*i32"}
 PTR_ARGS = {"lora_shrink_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "a_rows_ptr", "x_ptr",
                                    "rows_ptr", "_xa_in_ptr", "xa_ptr"),
+            "lora_coop_kernel": ("live_ptr", "table_ptr", "a_rows_ptr", "b_rows_ptr", "x_ptr", "rows_ptr",
+                                 "_y_in_ptr", "_cnt_in_ptr", "y_ptr", "cnt_ptr", "part_ptr"),
             "lora_expand_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "b_rows_ptr", "xa_ptr",
                                    "rows_ptr", "y_ptr", "out_ptr")}
 
 
 def test_compiles_for_h200(tmp_path, fin=11008, fout=14336, width=1024):
-    """Both kernels, bf16 and float32 (TF32 and IEEE dots), through Triton's compiler for sm_90
+    """The kernels (shrink, expand, coop), bf16 and float32 (TF32 and IEEE dots), through Triton's compiler for sm_90
     down to a cubin, on the CPU (tests/triton_compile.py). MLP widths, W not dividing `in`."""
     py = interpreter_python()
     if py is None:
@@ -216,9 +280,14 @@ def test_compiles_for_h200(tmp_path, fin=11008, fout=14336, width=1024):
                                                          jnp.zeros((t, r), jnp.float32), rows,
                                                          b_rows, ranks, seg, max_rank=r,
                                                          out_features=fout)}
-            for kernel, (arrays, const, _, options) in plans.items():
+                coop = tk.coop_plan(jnp.zeros((t, fout), dtype), x, rows, a_rows, b_rows, ranks, seg, max_rank=r,
+                                    fin=fin, fout=fout)
+            for kernel, (arrays, const, _, options, *outs) in [*plans.items(), ("lora_coop_kernel", coop)]:
                 types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays]
-                types.append(types[-1])  # the output aliases the last input
+                if outs:  # the coop kernel's outputs: y and the counters (aliased), the partial planes
+                    types += [_TRITON_TYPE[jnp.dtype(o.dtype)] for o in outs[0]]
+                else:
+                    types.append(types[-1])  # the output aliases the last input
                 jobs.append(dict(kernel=kernel, const=const, options=options,
                                  dtypes=dict(zip(PTR_ARGS[kernel], types))))
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
@@ -270,6 +339,52 @@ class TestTritonGPU:
         arr, a_mats, b_mats, seg, ranks = make_inputs(FEW, jnp.float32, seed_of("few"), max_rank=8)
         got = tk.lora_delta(*delta_args(arr), max_rank=8, fin=FEW.fin, fout=FEW.fout, **FEW_KW)
         assert rel_err(got, dense_delta(arr["x"], a_mats, b_mats, seg, ranks, FEW.fout)) < 1e-2
+
+    @pytest.mark.parametrize("host_schedule", [True, False], ids=["host", "graph"])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_coop(self, name, dtype, host_schedule):
+        """lora_coop_apply compiled, its programs running at once (the interpreter runs them in
+        turn), with the schedule built on the host or in the graph."""
+        case, args = coop_inputs(name, dtype)
+        y, x, rows, a_rows, b_rows, ranks, seg = args
+        schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK) if host_schedule else None
+        got = tk.lora_coop_apply(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout, schedule=schedule)
+        assert rel_err(got, coop_want(case, args)) < self.TOL[dtype], rel_err(got, coop_want(case, args))
+
+    def test_coop_llama_shapes(self):
+        """The coop launch at issue 4's shape (4096 -> 4096, 64 tokens over 32 adapters of ranks
+        8-64, W 4096), many times in a row (the counters start from zero each call): the dense product."""
+        rng = np.random.default_rng(7)
+        t, n, fin = 64, 32, 4096
+        ranks = np.array([(8, 16, 32, 64)[s % 4] for s in range(n)], np.int32)
+        seg = np.arange(n + 1, dtype=np.int32) * (t // n)
+        mats = [m for r in ranks for m in (rng.normal(size=(r, fin)) / 64, rng.normal(size=(r, fin)) / 8)]
+        place = rng.permutation(sum(len(m) for m in mats))  # every A^T / B row at a random pool row (W = 4096)
+        pool = np.zeros((len(place), fin))
+        pool[place] = np.concatenate(mats)
+        a_idx, b_idx, nxt = np.zeros((n, 64), np.int32), np.zeros((n, 64), np.int32), 0
+        for s in range(n):
+            for idx in (a_idx, b_idx):
+                idx[s, :ranks[s]] = place[nxt:nxt + ranks[s]]
+                nxt += ranks[s]
+        pool = jnp.asarray(pool, jnp.bfloat16)
+        x = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+        y = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+        xf = np.asarray(x, np.float64)
+        want = np.asarray(y, np.float64).copy()
+        for s in range(n):
+            tok = slice(seg[s], seg[s + 1])
+            a = np.asarray(pool[a_idx[s, :ranks[s]]], np.float64).T
+            b = np.asarray(pool[b_idx[s, :ranks[s]]], np.float64)
+            want[tok] += xf[tok] @ a @ b
+        schedule = tuple(map(jnp.asarray, tk.coop_schedule(ranks, seg, t, max_rank=64)))
+        f = jax.jit(lambda y, x: tk.lora_coop_apply(y, x, pool, jnp.asarray(a_idx), jnp.asarray(b_idx),
+                                                    jnp.asarray(ranks), jnp.asarray(seg), max_rank=64, fin=fin,
+                                                    fout=fin, schedule=schedule))
+        for _ in range(20):
+            got = f(y, x)
+        assert rel_err(got, jnp.asarray(want, jnp.float32)) < 2e-2, rel_err(got, jnp.asarray(want, jnp.float32))
 
     def test_inside_jit_with_donated_y(self):
         """Expand under jit, y donated: the alias lets XLA update y in place."""

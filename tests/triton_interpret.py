@@ -8,7 +8,9 @@ and checks the outputs against the jnp references. Talks through files only:
 
 JOBS.json: [{"name", "kernel", "arrays": [npz keys, in kernel order], "const": {...}, "grid": [...]}].
 The last array of a job is the buffer its output aliases (the zero xa, or y); the kernel writes it
-in place, and OUT.npz holds it under the job's name. bfloat16 arrays travel as uint16 with keys
+in place, and OUT.npz holds it under the job's name. A job with "outs" lists its kernel's outputs
+instead (["alias", i]: input i, written in place; ["new", shape, dtype, fill]: a fresh buffer) and
+OUT.npz holds the first. bfloat16 arrays travel as uint16 with keys
 ending in "@bf16".
 """
 
@@ -103,10 +105,17 @@ def main(jobs_path: str, arrays_path: str, out_path: str) -> None:
     for job in jobs:
         keys = job["arrays"]
         args = [to_torch(k, arrays[k].copy()) for k in keys]
-        args.append(args[-1])  # the output aliases the last input
+        outs = job.get("outs")
+        if outs is None:
+            args.append(args[-1])  # the output aliases the last input
+            first = len(keys) - 1
+        else:  # ["alias", input index] or ["new", shape, torch dtype name, fill value]
+            first = outs[0][1]
+            args += [args[o[1]] if o[0] == "alias" else torch.full(o[1], float(o[3]), dtype=getattr(torch, o[2]))
+                     for o in outs]
         getattr(_lora_tl, job["kernel"])[tuple(job["grid"])](*args, **job["const"])
-        out[job["name"] + ("@bf16" if keys[-1].endswith("@bf16") else "")] = to_numpy(keys[-1],
-                                                                                      args[-1])
+        out[job["name"] + ("@bf16" if keys[first].endswith("@bf16") else "")] = to_numpy(keys[first],
+                                                                                         args[first])
     np.savez(out_path, **out)
 
 

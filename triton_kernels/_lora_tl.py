@@ -91,3 +91,98 @@ def lora_expand_kernel(total_ptr, sched_ptr, ranks_ptr, b_rows_ptr, xa_ptr, rows
         y = tl.load(y_ptr + tile, mask=t_live[:, None], other=0)
         tl.store(out_ptr + tile, (y.to(tl.float32) + acc).to(out_ptr.dtype.element_ty),
                  mask=t_live[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Cooperative shrink + expand in one launch (lora_coop_apply). Each work item is one block of up
+# to BLOCK_T tokens of one slot; the NCH programs of an item each shrink one chunk (a rank tile of
+# RANK_TILE A^T rows over one of N_KC parts of `in`) into a float32 partial plane, publish it by
+# counting it done, wait until all NCH chunks are done, then expand the item's output column tiles
+# o = c, c + NCH, ... from the sum of the planes. A chunk is claimed (a flag swapped to 1) before it
+# is computed, and a program that has waited SPINS times computes the unclaimed chunks itself: a
+# program only ever waits for chunks claimed by running programs, so the launch cannot deadlock,
+# whatever the GPU runs at once (and Triton's interpreter, which runs programs one at a time, has
+# the first program of an item compute every chunk).
+
+
+@triton.jit
+def _coop_chunk(q, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BLOCK_T: tl.constexpr,
+                RANK_TILE: tl.constexpr, K_TILE: tl.constexpr, N_KC: tl.constexpr, FIN: tl.constexpr,
+                W: tl.constexpr, RA: tl.constexpr, R_PAD: tl.constexpr, F32_DOT: tl.constexpr):
+    """Chunk q of item i: partial plane kc = q % N_KC, rank tile q // N_KC: x[t, part kc of in] .
+    A^T[j, part kc]^T for the tile's rank rows j < r, stored as plane kc's columns j."""
+    kc = q % N_KC
+    j = (q // N_KC) * RANK_TILE + tl.arange(0, RANK_TILE)
+    j_live = j < r
+    first = tl.where(j_live, j, 0) * FIN
+    n_sub = FIN // K_TILE
+    cols = tl.arange(0, K_TILE)
+    acc = tl.zeros((BLOCK_T, RANK_TILE), tl.float32)
+    for u in range(kc * n_sub // N_KC, (kc + 1) * n_sub // N_KC):
+        c0 = u * K_TILE
+        at = _gather_tile(rows_ptr, a_rows_ptr, s, first + c0, j_live, RA, W, K_TILE)  # [RANK_TILE, K]
+        xt = tl.load(x_ptr + t[:, None] * FIN + c0 + cols[None, :], mask=t_live[:, None], other=0)
+        acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=F32_DOT)
+    rows = (i * N_KC + kc) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tl.store(part_ptr + rows[:, None] * R_PAD + j[None, :], acc, mask=j_live[None, :])
+
+
+@triton.jit
+def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_ptr, _cnt_in_ptr,
+                     y_ptr, cnt_ptr, part_ptr, BLOCK_T: tl.constexpr, RANK_TILE: tl.constexpr,
+                     K_TILE: tl.constexpr, N_KC: tl.constexpr, COL_TILE: tl.constexpr, FIN: tl.constexpr,
+                     FOUT: tl.constexpr, W: tl.constexpr, RA: tl.constexpr, RB: tl.constexpr,
+                     R_PAD: tl.constexpr, MAX_CH: tl.constexpr, SPINS: tl.constexpr, F32_DOT: tl.constexpr):
+    """y[t] += (x[t] @ A_s) @ B_s for the tokens of every live item; table [programs, 8] holds each
+    program's (item, slot, first token, block end, rank, chunk c, the item's chunk count NCH, 0),
+    live [1] the live programs. cnt [items, 1 + MAX_CH] (zeros on entry; y_ptr and cnt_ptr alias
+    _y_in_ptr and _cnt_in_ptr): chunks done, then each chunk's claim flag. part [items, N_KC,
+    BLOCK_T, R_PAD] float32: the partial planes."""
+    p = tl.program_id(0)
+    if p < tl.load(live_ptr):
+        rec = table_ptr + p * 8
+        i = tl.load(rec)
+        s = tl.load(rec + 1)
+        start = tl.load(rec + 2)
+        end = tl.load(rec + 3)
+        r = tl.load(rec + 4)
+        c = tl.load(rec + 5)
+        nch = tl.load(rec + 6)
+        t = start + tl.arange(0, BLOCK_T)
+        t_live = t < end
+        done_ptr = cnt_ptr + i * (1 + MAX_CH)
+        if tl.atomic_xchg(done_ptr + 1 + c, 1) == 0:  # this program's own chunk, unless taken
+            _coop_chunk(c, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BLOCK_T, RANK_TILE,
+                        K_TILE, N_KC, FIN, W, RA, R_PAD, F32_DOT)
+            tl.debug_barrier()  # every thread's stores before the count that publishes them
+            tl.atomic_add(done_ptr, 1, sem="release")
+        spins = 0
+        # (bounded, ~1 s: were the counters ever wrong, the launch ends with a wrong y instead of hanging)
+        while (tl.atomic_add(done_ptr, 0, sem="acquire") < nch) & (spins < 1 << 20):
+            spins += 1
+            if spins > SPINS:  # the owners of the rest are not running: compute what nobody claimed
+                for q in range(0, nch):
+                    if tl.atomic_xchg(done_ptr + 1 + q, 1) == 0:
+                        _coop_chunk(q, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BLOCK_T,
+                                    RANK_TILE, K_TILE, N_KC, FIN, W, RA, R_PAD, F32_DOT)
+                        tl.debug_barrier()
+                        tl.atomic_add(done_ptr, 1, sem="release")
+        tl.debug_barrier()
+        tok = tl.arange(0, BLOCK_T)
+        for o in range(c, FOUT // COL_TILE, nch):  # this program's output column tiles
+            col = o * COL_TILE
+            acc = tl.zeros((BLOCK_T, COL_TILE), tl.float32)
+            for kt in range(0, tl.cdiv(r, RANK_TILE)):
+                j = kt * RANK_TILE + tl.arange(0, RANK_TILE)
+                j_live = j < r
+                xat = tl.zeros((BLOCK_T, RANK_TILE), tl.float32)
+                for kc in tl.static_range(N_KC):  # the sum of the partial planes (from L2)
+                    plane = (i * N_KC + kc) * BLOCK_T + tok
+                    xat += tl.load(part_ptr + plane[:, None] * R_PAD + j[None, :], mask=j_live[None, :], other=0,
+                                   cache_modifier=".cg")
+                bt = _gather_tile(rows_ptr, b_rows_ptr, s, tl.where(j_live, j, 0) * FOUT + col, j_live, RB, W,
+                                  COL_TILE)  # [RANK_TILE, C]
+                acc = tl.dot(xat.to(bt.dtype), bt, acc, input_precision=F32_DOT)
+            tile = t[:, None] * FOUT + col + tl.arange(0, COL_TILE)[None, :]
+            y = tl.load(y_ptr + tile, mask=t_live[:, None], other=0)
+            tl.store(y_ptr + tile, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=t_live[:, None])

@@ -40,18 +40,26 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.lora import (BLOCK_T, MAX_PROGRAMS, _check_block_t, _plan_blocks,
+from pallas_kernels.lora import (BLOCK_T, MAX_PROGRAMS, _check_block_t, _merge_blocks, _plan_blocks,
                                  _col_tile, lora_expand_reference, lora_shrink_reference)
 
 # Block sizes, as in the Pallas twin (not yet tuned on a GPU; col_tile is a cap).
 BLOCKS = {
     "shrink": dict(rank_tile=16, col_tile=256, num_warps=4, num_stages=2),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
+    # lora_coop_apply: n_kc parts of `in` a rank tile's shrink is cut into (chunks of k_tile
+    # columns), col_tile the expand's output columns a tile, spins the waits before a program
+    # computes unclaimed chunks itself
+    "coop": dict(rank_tile=16, k_tile=512, n_kc=4, col_tile=256, spins=256, num_warps=4, num_stages=2),
 }
+if os.environ.get("SLORA_TRITON_BLOCKS"):  # a benchmark's setting, as SLORA_LORA_BLOCKS for the Pallas twins
+    _merge_blocks(os.environ["SLORA_TRITON_BLOCKS"], "SLORA_TRITON_BLOCKS", BLOCKS)
 
 
 def unavailable_reason() -> str | None:
@@ -111,6 +119,114 @@ def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
                  MAX_RANK=max_rank, F32_DOT=_f32_dot())
     grid = (n_programs, out_features // col_tile)
     return arrays, const, grid, dict(num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+
+
+def coop_sizes(t: int, n_slots: int, *, max_rank: int, block_t: int = BLOCK_T) -> tuple[int, int, int]:
+    """(items, chunks an item at most, programs) of lora_coop_apply's launch: items bound the
+    token blocks (as the block schedule's), each item holds up to MAX_CH chunks (rank tiles x n_kc)."""
+    b = BLOCKS["coop"]
+    items = max(1, (t + n_slots * (block_t - 1)) // block_t)
+    max_ch = -(-max_rank // b["rank_tile"]) * b["n_kc"]
+    return items, max_ch, items * max_ch
+
+
+def coop_schedule(ranks, seg_starts, t: int, *, max_rank: int, block_t: int = BLOCK_T):
+    """lora_coop_apply's program table on the host (numpy), as the engine builds schedules:
+    (table [programs, 8], live [1]) int32. Row p: (item, slot, first token, block end, rank,
+    chunk c, the item's chunk count, 0) for the live programs, which come first, item by item; an
+    item is a block of up to block_t tokens of a slot of rank > 0, and has one program per chunk
+    (ceil(rank / rank_tile) rank tiles x n_kc parts of `in`)."""
+    b = BLOCKS["coop"]
+    ranks, seg = np.minimum(np.asarray(ranks, np.int64), max_rank), np.asarray(seg_starts, np.int64)
+    _, _, programs = coop_sizes(t, len(ranks), max_rank=max_rank, block_t=block_t)
+    table = np.zeros((programs, 8), np.int32)
+    p = i = 0
+    for s, r in enumerate(ranks):
+        if r <= 0:
+            continue
+        nch = -(-int(r) // b["rank_tile"]) * b["n_kc"]
+        for first in range(int(seg[s]), int(seg[s + 1]), block_t):
+            table[p:p + nch] = [(i, s, first, min(first + block_t, seg[s + 1]), r, c, nch, 0) for c in range(nch)]
+            p, i = p + nch, i + 1
+    return table, np.array([p], np.int32)
+
+
+def _coop_schedule_jnp(ranks, seg_starts, t: int, *, max_rank: int, block_t: int):
+    """coop_schedule in the graph (the same table), for calls that pass none."""
+    b = BLOCKS["coop"]
+    n_items, _, programs = coop_sizes(t, ranks.shape[0], max_rank=max_rank, block_t=block_t)
+    ranks, seg = jnp.minimum(ranks.astype(jnp.int32), max_rank), seg_starts.astype(jnp.int32)
+    blocks = jnp.where(ranks > 0, -(-(seg[1:] - seg[:-1]) // block_t), 0)        # items of each slot
+    k = jnp.arange(n_items)
+    slot = jnp.repeat(jnp.arange(ranks.shape[0]), blocks, total_repeat_length=n_items)
+    live_item = k < blocks.sum()
+    first = seg[slot] + (k - (jnp.cumsum(blocks) - blocks)[slot]) * block_t
+    r = ranks[slot]
+    nch = jnp.where(live_item, -(-r // b["rank_tile"]) * b["n_kc"], 0)
+    item = jnp.repeat(k, nch, total_repeat_length=programs)
+    p = jnp.arange(programs)
+    live = nch.sum()
+    c = p - (jnp.cumsum(nch) - nch)[item]
+    rows = jnp.stack([item, slot[item], first[item], jnp.minimum(first + block_t, seg[slot + 1])[item], r[item], c,
+                      nch[item], jnp.zeros_like(p)], axis=1)
+    return jnp.where((p < live)[:, None], rows, 0).astype(jnp.int32), live.reshape(1).astype(jnp.int32)
+
+
+def coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+              block_t: int = BLOCK_T, schedule=None):
+    """(arrays, constexprs, grid, launch options, outputs) for lora_coop_kernel: the arrays end
+    with y and the zero counters, which outputs 0 and 1 alias; output 2 is the partial planes."""
+    t, width = y.shape[0], rows.shape[1]
+    b = BLOCKS["coop"]
+    n_items, max_ch, programs = coop_sizes(t, ranks.shape[0], max_rank=max_rank, block_t=block_t)
+    if schedule is None:
+        table, live = _coop_schedule_jnp(ranks, seg_starts, t, max_rank=max_rank, block_t=block_t)
+    else:
+        table, live = (jnp.asarray(a, jnp.int32) for a in schedule)
+        if table.shape != (programs, 8) or live.shape != (1,):
+            raise ValueError(f"schedule shapes {table.shape}, {live.shape} are not coop_schedule's for {t} "
+                             f"tokens, {ranks.shape[0]} slots, block_t {block_t}: {(programs, 8)}, (1,)")
+    k_tile = _col_tile(width, fin, b["k_tile"])
+    r_pad = -(-max_rank // b["rank_tile"]) * b["rank_tile"]
+    x = x.astype(jnp.promote_types(x.dtype, rows.dtype))  # the kernel casts A tiles to x's dtype
+    arrays = (live, table, a_rows.astype(jnp.int32), b_rows.astype(jnp.int32), x, rows, y,
+              jnp.zeros((n_items, 1 + max_ch), jnp.int32))
+    const = dict(BLOCK_T=block_t, RANK_TILE=b["rank_tile"], K_TILE=k_tile, N_KC=b["n_kc"],
+                 COL_TILE=_col_tile(width, fout, b["col_tile"]), FIN=fin, FOUT=fout, W=width,
+                 RA=a_rows.shape[1], RB=b_rows.shape[1], R_PAD=r_pad, MAX_CH=max_ch, SPINS=b["spins"],
+                 F32_DOT=_f32_dot())
+    outs = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(arrays[-1].shape, jnp.int32),
+            jax.ShapeDtypeStruct((n_items, b["n_kc"], block_t, r_pad), jnp.float32))
+    return arrays, const, (programs,), dict(num_warps=b["num_warps"], num_stages=b["num_stages"]), outs
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "block_t"))
+def _coop(y, x, rows, a_rows, b_rows, ranks, seg_starts, schedule, *, max_rank, fin, fout, block_t):
+    import jax_triton
+    from triton_kernels import _lora_tl
+
+    arrays, const, grid, opts, outs = coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
+                                                fin=fin, fout=fout, block_t=block_t, schedule=schedule)
+    n = len(arrays)
+    return jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_coop_kernel, out_shape=outs, grid=grid,
+                                  name="lora_coop_triton", input_output_aliases={n - 2: 0, n - 1: 1},
+                                  **opts, **const)[0]
+
+
+def lora_coop_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
+                    interpret=None, block_t: int = BLOCK_T, schedule=None):
+    """lora_apply in one launch (lora_coop_kernel): y + (x @ A_s) @ B_s for the tokens of slot s,
+    base tokens unchanged, in y's dtype. The programs of a token block share its shrink through
+    partial planes and counters in global memory, then each expands its share of the columns.
+    schedule: coop_schedule's (table, live), else built in the graph."""
+    _no_interpret(interpret)
+    if min(_col_tile(rows.shape[1], fin, BLOCKS["coop"]["k_tile"]),
+           _col_tile(rows.shape[1], fout, BLOCKS["coop"]["col_tile"])) < 16:
+        xa = lora_shrink_reference(x, rows, a_rows, ranks, seg_starts, max_rank=max_rank, in_features=fin)
+        return lora_expand_reference(y, xa, rows, b_rows, ranks, seg_starts, max_rank=max_rank, out_features=fout)
+    _check_block_t(block_t)
+    return _coop(y, x, rows, a_rows, b_rows, ranks, seg_starts, schedule, max_rank=max_rank, fin=fin, fout=fout,
+                 block_t=block_t)
 
 
 def _launch(kernel_name: str, plan, name: str):
