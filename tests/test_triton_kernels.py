@@ -147,7 +147,8 @@ def _coop_job(name: str, case, args, arrays: dict) -> dict:
     arrs, const, grid, _, outs = tk.coop_plan(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
                                               schedule=schedule)
     job = _job(name, "lora_coop_kernel", (arrs, {**const, "SPINS": 4}, grid, None), arrays)
-    job["outs"] = [["alias", len(arrs) - 2], ["alias", len(arrs) - 1], ["new", list(outs[2].shape), "float32", "nan"]]
+    job["outs"] = [["alias", len(arrs) - 2], ["alias", len(arrs) - 1], ["new", list(outs[2].shape), "float32", "nan"],
+                   ["new", [1], "int32", 0]]
     return job
 
 
@@ -253,7 +254,7 @@ _TRITON_TYPE = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16
 PTR_ARGS = {"lora_shrink_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "a_rows_ptr", "x_ptr",
                                    "rows_ptr", "_xa_in_ptr", "xa_ptr"),
             "lora_coop_kernel": ("live_ptr", "table_ptr", "a_rows_ptr", "b_rows_ptr", "x_ptr", "rows_ptr",
-                                 "_y_in_ptr", "_cnt_in_ptr", "y_ptr", "cnt_ptr", "part_ptr"),
+                                 "_y_in_ptr", "_cnt_in_ptr", "y_ptr", "cnt_ptr", "part_ptr", "times_ptr"),
             "lora_expand_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "b_rows_ptr", "xa_ptr",
                                    "rows_ptr", "y_ptr", "out_ptr")}
 

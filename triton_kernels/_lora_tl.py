@@ -12,6 +12,7 @@ F32_DOT is tl.dot's input_precision for float32 operands ("tf32" or "ieee"); bf1
 
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 
 @triton.jit
@@ -128,18 +129,34 @@ def _coop_chunk(q, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BL
 
 
 @triton.jit
+def _now():
+    """The global timer's low 32 bits (ns; differences within a launch, taken modulo 2**32)."""
+    return (tl_cuda.globaltimer() & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_ptr, _cnt_in_ptr,
-                     y_ptr, cnt_ptr, part_ptr, BLOCK_T: tl.constexpr, RANK_TILE: tl.constexpr,
+                     y_ptr, cnt_ptr, part_ptr, times_ptr, BLOCK_T: tl.constexpr, RANK_TILE: tl.constexpr,
                      K_TILE: tl.constexpr, N_KC: tl.constexpr, COL_TILE: tl.constexpr, FIN: tl.constexpr,
                      FOUT: tl.constexpr, W: tl.constexpr, RA: tl.constexpr, RB: tl.constexpr,
-                     R_PAD: tl.constexpr, MAX_CH: tl.constexpr, SPINS: tl.constexpr, F32_DOT: tl.constexpr):
+                     R_PAD: tl.constexpr, MAX_CH: tl.constexpr, SPINS: tl.constexpr, F32_DOT: tl.constexpr,
+                     TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s) @ B_s for the tokens of every live item; table [programs, 8] holds each
     program's (item, slot, first token, block end, rank, chunk c, the item's chunk count NCH, 0),
     live [1] the live programs. cnt [items, 1 + MAX_CH] (zeros on entry; y_ptr and cnt_ptr alias
     _y_in_ptr and _cnt_in_ptr): chunks done, then each chunk's claim flag. part [items, N_KC,
-    BLOCK_T, R_PAD] float32: the partial planes."""
+    BLOCK_T, R_PAD] float32: the partial planes. TIMING (bench/coop_timing.py): times [programs, 8]
+    int32 gets each program's global timer (_now) at its start, once `live` is read, once its claim
+    is answered, after its own chunk, after the wait, at its end, and its SM."""
     p = tl.program_id(0)
+    if TIMING:
+        tl.store(times_ptr + p * 8, _now())
     if p < tl.load(live_ptr):
+        if TIMING:
+            tl.store(times_ptr + p * 8 + 1, _now())
+            tl.store(times_ptr + p * 8 + 2, 0)  # stays 0 unless it computes its own chunk
+            tl.store(times_ptr + p * 8 + 3, 0)
+            tl.store(times_ptr + p * 8 + 6, tl_cuda.smid())
         rec = table_ptr + p * 8
         i = tl.load(rec)
         s = tl.load(rec + 1)
@@ -152,10 +169,14 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
         t_live = t < end
         done_ptr = cnt_ptr + i * (1 + MAX_CH)
         if tl.atomic_xchg(done_ptr + 1 + c, 1) == 0:  # this program's own chunk, unless taken
+            if TIMING:
+                tl.store(times_ptr + p * 8 + 2, _now())
             _coop_chunk(c, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BLOCK_T, RANK_TILE,
                         K_TILE, N_KC, FIN, W, RA, R_PAD, F32_DOT)
             tl.debug_barrier()  # every thread's stores before the count that publishes them
             tl.atomic_add(done_ptr, 1, sem="release")
+            if TIMING:
+                tl.store(times_ptr + p * 8 + 3, _now())
         spins = 0
         # (bounded, ~1 s: were the counters ever wrong, the launch ends with a wrong y instead of hanging)
         while (tl.atomic_add(done_ptr, 0, sem="acquire") < nch) & (spins < 1 << 20):
@@ -168,6 +189,8 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
                         tl.debug_barrier()
                         tl.atomic_add(done_ptr, 1, sem="release")
         tl.debug_barrier()
+        if TIMING:
+            tl.store(times_ptr + p * 8 + 4, _now())
         tok = tl.arange(0, BLOCK_T)
         for o in range(c, FOUT // COL_TILE, nch):  # this program's output column tiles
             col = o * COL_TILE
@@ -186,3 +209,5 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
             tile = t[:, None] * FOUT + col + tl.arange(0, COL_TILE)[None, :]
             y = tl.load(y_ptr + tile, mask=t_live[:, None], other=0)
             tl.store(y_ptr + tile, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=t_live[:, None])
+        if TIMING:
+            tl.store(times_ptr + p * 8 + 5, _now())

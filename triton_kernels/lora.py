@@ -173,9 +173,10 @@ def _coop_schedule_jnp(ranks, seg_starts, t: int, *, max_rank: int, block_t: int
 
 
 def coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
-              block_t: int = BLOCK_T, schedule=None):
+              block_t: int = BLOCK_T, schedule=None, timing: bool = False):
     """(arrays, constexprs, grid, launch options, outputs) for lora_coop_kernel: the arrays end
-    with y and the zero counters, which outputs 0 and 1 alias; output 2 is the partial planes."""
+    with y and the zero counters, which outputs 0 and 1 alias; output 2 is the partial planes,
+    output 3 the programs' timestamps (timing; else one unused entry)."""
     t, width = y.shape[0], rows.shape[1]
     b = BLOCKS["coop"]
     n_items, max_ch, programs = coop_sizes(t, ranks.shape[0], max_rank=max_rank, block_t=block_t)
@@ -194,23 +195,25 @@ def coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, f
     const = dict(BLOCK_T=block_t, RANK_TILE=b["rank_tile"], K_TILE=k_tile, N_KC=b["n_kc"],
                  COL_TILE=_col_tile(width, fout, b["col_tile"]), FIN=fin, FOUT=fout, W=width,
                  RA=a_rows.shape[1], RB=b_rows.shape[1], R_PAD=r_pad, MAX_CH=max_ch, SPINS=b["spins"],
-                 F32_DOT=_f32_dot())
+                 F32_DOT=_f32_dot(), TIMING=int(timing))
     outs = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(arrays[-1].shape, jnp.int32),
-            jax.ShapeDtypeStruct((n_items, b["n_kc"], block_t, r_pad), jnp.float32))
+            jax.ShapeDtypeStruct((n_items, b["n_kc"], block_t, r_pad), jnp.float32),
+            jax.ShapeDtypeStruct((programs, 8) if timing else (1,), jnp.int32))
     return arrays, const, (programs,), dict(num_warps=b["num_warps"], num_stages=b["num_stages"]), outs
 
 
-@functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "block_t"))
-def _coop(y, x, rows, a_rows, b_rows, ranks, seg_starts, schedule, *, max_rank, fin, fout, block_t):
+@functools.partial(jax.jit, static_argnames=("max_rank", "fin", "fout", "block_t", "timing"))
+def _coop(y, x, rows, a_rows, b_rows, ranks, seg_starts, schedule, *, max_rank, fin, fout, block_t, timing=False):
     import jax_triton
     from triton_kernels import _lora_tl
 
     arrays, const, grid, opts, outs = coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, max_rank=max_rank,
-                                                fin=fin, fout=fout, block_t=block_t, schedule=schedule)
+                                                fin=fin, fout=fout, block_t=block_t, schedule=schedule,
+                                                timing=timing)
     n = len(arrays)
-    return jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_coop_kernel, out_shape=outs, grid=grid,
-                                  name="lora_coop_triton", input_output_aliases={n - 2: 0, n - 1: 1},
-                                  **opts, **const)[0]
+    out = jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_coop_kernel, out_shape=outs, grid=grid,
+                                 name="lora_coop_triton", input_output_aliases={n - 2: 0, n - 1: 1}, **opts, **const)
+    return (out[0], out[3]) if timing else out[0]
 
 
 def lora_coop_apply(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, fin: int, fout: int,
