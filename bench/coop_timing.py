@@ -79,7 +79,7 @@ def main() -> None:
     fin = 4096
     args, ranks, seg = inputs(a.tokens, a.adapters, fin)
     jax.block_until_ready(args)
-    table, live = tk.coop_schedule(ranks, seg, a.tokens, max_rank=64)
+    table, live = tk.coop_schedule(ranks, seg, a.tokens, max_rank=64, fout=fin, width=fin)
     schedule = (jnp.asarray(table), jnp.asarray(live))
     f = jax.jit(lambda *xs: tk._coop(*xs, schedule, max_rank=64, fin=fin, fout=fin, block_t=tk.BLOCK_T, timing=True))
     for _ in range(a.calls):

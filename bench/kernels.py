@@ -286,7 +286,8 @@ class LoraPool:
                 "fused_schedule": tuple(map(jnp.asarray, lora_kernels.fused_schedule(
                     self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
                 "coop_schedule": tuple(map(jnp.asarray, triton_lora.coop_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
+                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank,
+                    fout=self.fout, width=self.width))),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
             out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else tuple(
@@ -548,7 +549,8 @@ def table(result: dict) -> str:
                      "per call, bytes/time as % of copy bw (! = wrong vs xla-ref)")
         head = (f"{'module':<8}{'T':>4}{'n':>4}{'MB':>7} |" +
                 "|".join(f"{LABELS[v]:>15}" for v in VARIANTS[:4]) +
-                f"| {'triton':<17} | {'fused':<15} | {'coop':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} | {'max err':>7}")
+                f"| {'triton':<17} | {'fused':<15} | {'coop':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} "
+                f"| {'max err':>7}")
         lines.append(head)
         lines.append("-" * len(head))
         if not all(c["sets_exceed_l2"] for c in result["lora"]):
@@ -563,7 +565,8 @@ def table(result: dict) -> str:
                 f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
                 f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
                 "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
-                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {_cell(v.get('coop'))} | {gbps} {_x(c['speedup']['padded']):>6} "
+                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {_cell(v.get('coop'))} | {gbps} "
+                f"{_x(c['speedup']['padded']):>6} "
                 f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
         if result.get("lora_skipped"):
             lines.append(f"skipped (time budget): {', '.join(result['lora_skipped'])}")

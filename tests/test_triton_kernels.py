@@ -143,7 +143,7 @@ def _coop_job(name: str, case, args, arrays: dict) -> dict:
     read of an entry no chunk wrote shows. Few spins: the interpreter runs one program at a time,
     so the first program of each item computes its other chunks after waiting SPINS times."""
     y, x, rows, a_rows, b_rows, ranks, seg = args
-    schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK)
+    schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK, fout=case.fout, width=case.width)
     arrs, const, grid, _, outs = tk.coop_plan(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout,
                                               schedule=schedule)
     job = _job(name, "lora_coop_kernel", (arrs, {**const, "SPINS": 4}, grid, None), arrays)
@@ -236,17 +236,23 @@ def test_coop_schedule_host_matches_graph(name):
     """coop_schedule (numpy, as the engine builds schedules) and the in-graph table agree, and the
     live programs cover each live token block's chunks once."""
     case, (y, x, rows, a_rows, b_rows, ranks, seg) = coop_inputs(name, jnp.bfloat16)
-    table, live = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK)
-    g_table, g_live = tk._coop_schedule_jnp(ranks, seg, TOKENS, max_rank=MAX_RANK, block_t=ref.BLOCK_T)
+    table, live = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK, fout=case.fout, width=case.width)
+    g_table, g_live = tk._coop_schedule_jnp(ranks, seg, TOKENS, max_rank=MAX_RANK, fout=case.fout,
+                                            width=case.width, block_t=ref.BLOCK_T)
     np.testing.assert_array_equal(table, np.asarray(g_table))
     np.testing.assert_array_equal(live, np.asarray(g_live))
     r = np.minimum(np.asarray(ranks), MAX_RANK)
-    want = sum(-(-(int(seg[s + 1]) - int(seg[s])) // ref.BLOCK_T) * -(-int(r[s]) // 16) * tk.BLOCKS["coop"]["n_kc"]
+    least = min(tk.BLOCKS["coop"]["programs"], case.fout // tk._col_tile(case.width, case.fout, 256))
+    nch = [-(-int(r[s]) // 16) * tk.BLOCKS["coop"]["n_kc"] for s in range(len(r))]
+    want = sum(-(-(int(seg[s + 1]) - int(seg[s])) // ref.BLOCK_T) * max(nch[s], least)
                for s in range(len(r)) if r[s] > 0)
     assert live[0] == want
     rows_ = table[:live[0]]
-    assert sorted(map(tuple, rows_[:, [0, 5]])) == sorted({(i, c) for i, c in map(tuple, rows_[:, [0, 5]])})
-    assert (rows_[:, 5] < rows_[:, 6]).all() and (table[live[0]:] == 0).all()
+    assert len({(i, c) for i, c in rows_[:, [0, 5]]}) == len(rows_)  # each (item, program) once
+    assert (rows_[:, 5] < rows_[:, 7]).all() and (rows_[:, 6] <= rows_[:, 7]).all() and (table[live[0]:] == 0).all()
+    for i in np.unique(rows_[:, 0]):  # an item's programs are c = 0 .. NP - 1: chunks 0 .. NCH - 1 all owned
+        mine = rows_[rows_[:, 0] == i]
+        assert sorted(mine[:, 5]) == list(range(mine[0, 7])) and mine[0, 6] == nch[mine[0, 1]]
 
 
 _TRITON_TYPE = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16",
@@ -349,7 +355,8 @@ class TestTritonGPU:
         turn), with the schedule built on the host or in the graph."""
         case, args = coop_inputs(name, dtype)
         y, x, rows, a_rows, b_rows, ranks, seg = args
-        schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK) if host_schedule else None
+        schedule = tk.coop_schedule(ranks, seg, TOKENS, max_rank=MAX_RANK, fout=case.fout,
+                                    width=case.width) if host_schedule else None
         got = tk.lora_coop_apply(*args, max_rank=MAX_RANK, fin=case.fin, fout=case.fout, schedule=schedule)
         assert rel_err(got, coop_want(case, args)) < self.TOL[dtype], rel_err(got, coop_want(case, args))
 
@@ -379,7 +386,7 @@ class TestTritonGPU:
             a = np.asarray(pool[a_idx[s, :ranks[s]]], np.float64).T
             b = np.asarray(pool[b_idx[s, :ranks[s]]], np.float64)
             want[tok] += xf[tok] @ a @ b
-        schedule = tuple(map(jnp.asarray, tk.coop_schedule(ranks, seg, t, max_rank=64)))
+        schedule = tuple(map(jnp.asarray, tk.coop_schedule(ranks, seg, t, max_rank=64, fout=fin, width=fin)))
         f = jax.jit(lambda y, x: tk.lora_coop_apply(y, x, pool, jnp.asarray(a_idx), jnp.asarray(b_idx),
                                                     jnp.asarray(ranks), jnp.asarray(seg), max_rank=64, fin=fin,
                                                     fout=fin, schedule=schedule))

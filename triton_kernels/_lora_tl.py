@@ -142,8 +142,10 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
                      R_PAD: tl.constexpr, MAX_CH: tl.constexpr, SPINS: tl.constexpr, F32_DOT: tl.constexpr,
                      TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s) @ B_s for the tokens of every live item; table [programs, 8] holds each
-    program's (item, slot, first token, block end, rank, chunk c, the item's chunk count NCH, 0),
-    live [1] the live programs. cnt [items, 1 + MAX_CH] (zeros on entry; y_ptr and cnt_ptr alias
+    program's (item, slot, first token, block end, rank, its index c among the item's programs, the
+    item's chunk count NCH, the item's program count NP >= NCH), zeros past the live programs
+    (live [1] counts them). Program c computes chunk c (c < NCH) and expands the output column
+    tiles c, c + NP, ... cnt [items, 1 + MAX_CH] (zeros on entry; y_ptr and cnt_ptr alias
     _y_in_ptr and _cnt_in_ptr): chunks done, then each chunk's claim flag. part [items, N_KC,
     BLOCK_T, R_PAD] float32: the partial planes. TIMING (bench/coop_timing.py): times [programs, 8]
     int32 gets each program's global timer (_now) at its start, once `live` is read, once its claim
@@ -151,24 +153,28 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
     p = tl.program_id(0)
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
-    if p < tl.load(live_ptr):
+    rec = table_ptr + p * 8
+    nch = tl.load(rec + 6)
+    if nch > 0:  # a live program (the table's dead rows are zeros)
         if TIMING:
             tl.store(times_ptr + p * 8 + 1, _now())
             tl.store(times_ptr + p * 8 + 2, 0)  # stays 0 unless it computes its own chunk
             tl.store(times_ptr + p * 8 + 3, 0)
             tl.store(times_ptr + p * 8 + 6, tl_cuda.smid())
-        rec = table_ptr + p * 8
         i = tl.load(rec)
         s = tl.load(rec + 1)
         start = tl.load(rec + 2)
         end = tl.load(rec + 3)
         r = tl.load(rec + 4)
         c = tl.load(rec + 5)
-        nch = tl.load(rec + 6)
+        n_prog = tl.load(rec + 7)
         t = start + tl.arange(0, BLOCK_T)
         t_live = t < end
         done_ptr = cnt_ptr + i * (1 + MAX_CH)
-        if tl.atomic_xchg(done_ptr + 1 + c, 1) == 0:  # this program's own chunk, unless taken
+        claimed = 1
+        if c < nch:
+            claimed = tl.atomic_xchg(done_ptr + 1 + c, 1)
+        if claimed == 0:  # this program's own chunk, unless taken
             if TIMING:
                 tl.store(times_ptr + p * 8 + 2, _now())
             _coop_chunk(c, i, s, r, t, t_live, x_ptr, rows_ptr, a_rows_ptr, part_ptr, BLOCK_T, RANK_TILE,
@@ -192,7 +198,7 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
         if TIMING:
             tl.store(times_ptr + p * 8 + 4, _now())
         tok = tl.arange(0, BLOCK_T)
-        for o in range(c, FOUT // COL_TILE, nch):  # this program's output column tiles
+        for o in range(c, FOUT // COL_TILE, n_prog):  # this program's output column tiles
             col = o * COL_TILE
             acc = tl.zeros((BLOCK_T, COL_TILE), tl.float32)
             for kt in range(0, tl.cdiv(r, RANK_TILE)):

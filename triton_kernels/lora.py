@@ -55,8 +55,10 @@ BLOCKS = {
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2),
     # lora_coop_apply: n_kc parts of `in` a rank tile's shrink is cut into (chunks of k_tile
     # columns), col_tile the expand's output columns a tile, spins the waits before a program
-    # computes unclaimed chunks itself
-    "coop": dict(rank_tile=16, k_tile=512, n_kc=4, col_tile=256, spins=256, num_warps=4, num_stages=2),
+    # computes unclaimed chunks itself; programs: a token block's programs at least (its chunks
+    # at least, its column tiles at most)
+    "coop": dict(rank_tile=16, k_tile=512, n_kc=4, col_tile=256, spins=256, num_warps=4, num_stages=2,
+                 programs=16),
 }
 if os.environ.get("SLORA_TRITON_BLOCKS"):  # a benchmark's setting, as SLORA_LORA_BLOCKS for the Pallas twins
     _merge_blocks(os.environ["SLORA_TRITON_BLOCKS"], "SLORA_TRITON_BLOCKS", BLOCKS)
@@ -123,35 +125,53 @@ def expand_plan(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, out_fe
 
 def coop_sizes(t: int, n_slots: int, *, max_rank: int, block_t: int = BLOCK_T) -> tuple[int, int, int]:
     """(items, chunks an item at most, programs) of lora_coop_apply's launch: items bound the
-    token blocks (as the block schedule's), each item holds up to MAX_CH chunks (rank tiles x n_kc)."""
+    token blocks (as the block schedule's), each item holds up to MAX_CH chunks (rank tiles x n_kc)
+    and max(MAX_CH, BLOCKS["coop"]["programs"]) programs."""
     b = BLOCKS["coop"]
     items = max(1, (t + n_slots * (block_t - 1)) // block_t)
     max_ch = -(-max_rank // b["rank_tile"]) * b["n_kc"]
-    return items, max_ch, items * max_ch
+    return items, max_ch, items * max(max_ch, b["programs"])
 
 
-def coop_schedule(ranks, seg_starts, t: int, *, max_rank: int, block_t: int = BLOCK_T):
+def _item_programs(nch, fout: int, width: int):
+    """Programs of an item with nch chunks: nch, or more up to BLOCKS["coop"]["programs"] where
+    the output has that many column tiles (works on numpy and jnp ints alike)."""
+    b = BLOCKS["coop"]
+    n_ct = fout // _col_tile(width, fout, b["col_tile"])
+    return nch + ((nch > 0) * (max(nch, min(b["programs"], n_ct)) - nch) if isinstance(nch, int)
+                  else jnp.where(nch > 0, jnp.maximum(nch, min(b["programs"], n_ct)) - nch, 0))
+
+
+def _n_col_tiles(fout: int, width: int) -> int:
+    return fout // _col_tile(width, fout, BLOCKS["coop"]["col_tile"])
+
+
+def coop_schedule(ranks, seg_starts, t: int, *, max_rank: int, fout: int, width: int, block_t: int = BLOCK_T):
     """lora_coop_apply's program table on the host (numpy), as the engine builds schedules:
-    (table [programs, 8], live [1]) int32. Row p: (item, slot, first token, block end, rank,
-    chunk c, the item's chunk count, 0) for the live programs, which come first, item by item; an
-    item is a block of up to block_t tokens of a slot of rank > 0, and has one program per chunk
-    (ceil(rank / rank_tile) rank tiles x n_kc parts of `in`)."""
+    (table [programs, 8], live [1]) int32. Row p: (item, slot, first token, block end, rank, its
+    index c among the item's programs, the item's chunk count NCH, its program count NP) for the
+    live programs, which come first, item by item; zeros after. An item is a block of up to block_t
+    tokens of a slot of rank > 0, with NCH = ceil(rank / rank_tile) x n_kc chunks and NP = max(NCH,
+    min(BLOCKS["coop"]["programs"], the output's column tiles)) programs."""
     b = BLOCKS["coop"]
     ranks, seg = np.minimum(np.asarray(ranks, np.int64), max_rank), np.asarray(seg_starts, np.int64)
     _, _, programs = coop_sizes(t, len(ranks), max_rank=max_rank, block_t=block_t)
+    least = min(b["programs"], _n_col_tiles(fout, width))
     table = np.zeros((programs, 8), np.int32)
     p = i = 0
     for s, r in enumerate(ranks):
         if r <= 0:
             continue
         nch = -(-int(r) // b["rank_tile"]) * b["n_kc"]
+        n_prog = max(nch, least)
         for first in range(int(seg[s]), int(seg[s + 1]), block_t):
-            table[p:p + nch] = [(i, s, first, min(first + block_t, seg[s + 1]), r, c, nch, 0) for c in range(nch)]
-            p, i = p + nch, i + 1
+            end = min(first + block_t, seg[s + 1])
+            table[p:p + n_prog] = [(i, s, first, end, r, c, nch, n_prog) for c in range(n_prog)]
+            p, i = p + n_prog, i + 1
     return table, np.array([p], np.int32)
 
 
-def _coop_schedule_jnp(ranks, seg_starts, t: int, *, max_rank: int, block_t: int):
+def _coop_schedule_jnp(ranks, seg_starts, t: int, *, max_rank: int, fout: int, width: int, block_t: int):
     """coop_schedule in the graph (the same table), for calls that pass none."""
     b = BLOCKS["coop"]
     n_items, _, programs = coop_sizes(t, ranks.shape[0], max_rank=max_rank, block_t=block_t)
@@ -162,13 +182,14 @@ def _coop_schedule_jnp(ranks, seg_starts, t: int, *, max_rank: int, block_t: int
     live_item = k < blocks.sum()
     first = seg[slot] + (k - (jnp.cumsum(blocks) - blocks)[slot]) * block_t
     r = ranks[slot]
-    nch = jnp.where(live_item, -(-r // b["rank_tile"]) * b["n_kc"], 0)
-    item = jnp.repeat(k, nch, total_repeat_length=programs)
+    nch = -(-r // b["rank_tile"]) * b["n_kc"]
+    n_prog = jnp.where(live_item, jnp.maximum(nch, min(b["programs"], _n_col_tiles(fout, width))), 0)
+    item = jnp.repeat(k, n_prog, total_repeat_length=programs)
     p = jnp.arange(programs)
-    live = nch.sum()
-    c = p - (jnp.cumsum(nch) - nch)[item]
+    live = n_prog.sum()
+    c = p - (jnp.cumsum(n_prog) - n_prog)[item]
     rows = jnp.stack([item, slot[item], first[item], jnp.minimum(first + block_t, seg[slot + 1])[item], r[item], c,
-                      nch[item], jnp.zeros_like(p)], axis=1)
+                      nch[item], n_prog[item]], axis=1)
     return jnp.where((p < live)[:, None], rows, 0).astype(jnp.int32), live.reshape(1).astype(jnp.int32)
 
 
@@ -181,7 +202,8 @@ def coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, f
     b = BLOCKS["coop"]
     n_items, max_ch, programs = coop_sizes(t, ranks.shape[0], max_rank=max_rank, block_t=block_t)
     if schedule is None:
-        table, live = _coop_schedule_jnp(ranks, seg_starts, t, max_rank=max_rank, block_t=block_t)
+        table, live = _coop_schedule_jnp(ranks, seg_starts, t, max_rank=max_rank, fout=fout, width=width,
+                                         block_t=block_t)
     else:
         table, live = (jnp.asarray(a, jnp.int32) for a in schedule)
         if table.shape != (programs, 8) or live.shape != (1,):
