@@ -98,7 +98,7 @@ BLOCKS = {
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
                    max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256, early_loads=False, cols_first=False, branch=False, stream=0),
+                   max_programs=256, early_loads=False, cols_first=False, branch=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
     # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
     # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
@@ -150,9 +150,6 @@ BLOCKS = {
     # so it stays off; the engine would need the step's tokens-per-adapter to pick per step.
     "mgpu": dict(decode=False, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
 }
-# expand "stream" (off; n > 0): `_expand_stream_kernel`, each program streaming a block's 1/n of
-# the output columns (col_tile at a time, every rank tile) instead of one col_tile: fewer, longer
-# programs, each chain of index reads amortised over ~n_split times fewer programs' worth of B.
 # expand "branch" (engine, off): the expand adds its product into zeros instead of the base output
 # y in place, and y + delta follows. The LoRA launches then depend on x alone, not on the base
 # matmul, so a CUDA graph built with XLA's data-flow concurrency
@@ -501,68 +498,6 @@ def _expand_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref
     _blocks(p, n_programs, total_ref, sched_ref, block, early=early_loads)
 
 
-def _expand_stream_kernel(total_ref, sched_ref, ranks_ref, b_rows_ref, xa_ref, rows_ref, y_ref, out_ref, *,
-                          n_programs, block_t, rank_tile, col_tile, n_split, fout, width, dtype, xa_col, max_rank):
-    """The expand as BLOCKS["expand"]["stream"] runs it: program (p, q) walks blocks p, p + n_programs,
-    ... and for each streams the block's whole share q of the output columns (fout / n_split, in
-    tiles of col_tile): one loop over (column tile, rank tile) pairs, each trip's B tile, xa tile and
-    (at a column tile's first rank tile) y tile loaded one trip ahead, y + acc stored at a column
-    tile's last rank tile. A program thus reads ~fout / n_split x r elements of B behind one chain
-    of index reads, where `_expand_kernel` reads col_tile x r."""
-    p, q = pl.program_id(0), pl.program_id(1)
-    cols_per = fout // n_split
-    n_ct = cols_per // col_tile
-
-    def block(col_):
-        s, start, end = col_[0], col_[1], col_[2]
-        r = jnp.minimum(ranks_ref[s], max_rank)
-        n_rt = jnp.maximum(jax.lax.div(r + rank_tile - 1, rank_tile), 1)
-        tok_live = start + jnp.arange(block_t) < end
-        trips = n_ct * n_rt
-
-        def load(i):
-            i = jnp.minimum(i, trips - 1)
-            o = jax.lax.div(i, n_rt)
-            kt = i - o * n_rt
-            col = q * cols_per + o * col_tile
-            j = kt * rank_tile + jnp.arange(rank_tile)
-            j_live = j < r
-            bt = _gather_tile(rows_ref, b_rows_ref, s, jnp.where(j_live, j, 0) * fout + col, width, col_tile)
-            bt = jnp.where(j_live[:, None], bt, 0).astype(dtype)
-            xa_tile = (pl.ds(start, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile))
-            xa_mask = tok_live[:, None] & j_live[None, :]
-            if len(xa_ref.shape) == 3:  # split-K partial planes, added here
-                xat = sum(plgpu.load(xa_ref.at[(jnp.int32(g),) + xa_tile], mask=xa_mask, other=0)
-                          for g in range(xa_ref.shape[0]))
-            else:
-                xat = plgpu.load(xa_ref.at[xa_tile], mask=xa_mask, other=0)
-            yt = plgpu.load(y_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
-                            mask=tok_live[:, None] & (kt == 0), other=0)  # only at a column tile's start
-            return bt, xat.astype(dtype), yt
-
-        def trip(i, carry):
-            acc, y_keep, cur = carry
-            nxt = load(i + 1)
-            bt, xat, yt = cur
-            o = jax.lax.div(i, n_rt)
-            kt = i - o * n_rt
-            y_keep = jnp.where(kt == 0, yt, y_keep)
-            acc = acc + jax.lax.dot_general(xat, bt, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            last = kt == n_rt - 1
-
-            @pl.when(last)
-            def _():
-                col = q * cols_per + o * col_tile
-                plgpu.store(out_ref.at[pl.ds(start, block_t), pl.ds(col, col_tile)],
-                            (y_keep.astype(jnp.float32) + acc).astype(out_ref.dtype), mask=tok_live[:, None])
-            return jnp.where(last, 0.0, acc), y_keep, nxt
-
-        zero = jnp.zeros((block_t, col_tile), jnp.float32)
-        jax.lax.fori_loop(0, trips, trip, (zero, jnp.zeros((block_t, col_tile), out_ref.dtype), load(0)))
-
-    _blocks(p, n_programs, total_ref, sched_ref, block)
-
-
 def _fused_kernel(total_ref, sched_ref, ranks_ref, a_rows_ref, b_rows_ref, x_ref, rows_ref, _d_in, d_ref, *,
                   n_programs, block_t, rank_tile, a_col_tile, b_col_tile, fin, fout, width, dtype, n_split,
                   max_rank, prefetch_next, interpret, slots):
@@ -821,16 +756,6 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
     col_tile = _col_tile(width, out_features, col_cap)
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
                                                        schedule, clamp=False)
-    n_split = blocks.get("stream", 0)
-    if n_split and block_t > 1 and out_features % (n_split * col_tile) == 0:
-        kernel = functools.partial(
-            _expand_stream_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile, col_tile=col_tile,
-            n_split=n_split, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank)
-        return pl.pallas_call(
-            kernel, grid=(n_programs, n_split), out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-            input_output_aliases={6: 0}, interpret=interpret, compiler_params=_compiler_params(interpret, blocks),
-            name="lora_expand",
-        )(total, sched, ranks, b_rows.astype(jnp.int32), xa.astype(jnp.float32), rows, y)
     kernel = functools.partial(
         _expand_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
         col_tile=col_tile, fout=out_features, width=width, dtype=rows.dtype, xa_col=xa_col, max_rank=max_rank,

@@ -1259,20 +1259,6 @@ def test_expand_branch_changes_no_output(paths, ref, monkeypatch):
     assert zero_y and all(zero_y), zero_y
 
 
-@pytest.mark.parametrize("n_split", [1, 2])
-def test_expand_stream_changes_no_output(paths, ref, monkeypatch, n_split):
-    """BLOCKS["expand"]["stream"]: each expand program streams a block's share of the output
-    columns: the reference's tokens, and the streaming kernel really runs in the engine's steps."""
-    from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "expand", {**lora_kernels.BLOCKS["expand"], "stream": n_split,
-                                                        "col_tile": 16})
-    traced = []
-    real = lora_kernels._expand_stream_kernel
-    monkeypatch.setattr(lora_kernels, "_expand_stream_kernel", lambda *a, **k: traced.append(1) or real(*a, **k))
-    generates_reference_tokens(paths, ref)
-    assert traced
-
-
 @pytest.mark.parametrize("kernels", [("shrink",), ("shrink", "expand")])
 def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
     """BLOCKS["mbgmv"]: the Pallas decode steps' LoRA kernels in blocks of one token
