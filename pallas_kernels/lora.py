@@ -98,7 +98,7 @@ BLOCKS = {
                    static_split=False, prefetch_next=True, hoist_rows=False, compact_tiles=True,
                    max_programs=256, early_loads=True, split_partials=True, splits_first=False),
     "expand": dict(rank_tile=16, col_tile=128, num_warps=4, num_stages=2, y_first=True, prefetch_next=True,
-                   max_programs=256, early_loads=False, cols_first=False, branch=False),
+                   max_programs=256, early_loads=False, cols_first=False),
     # lora_fused_apply (off in the engine unless `decode` is on; H200, session 13: slower than the
     # shrink + expand pair everywhere, bench/results/20261130-eeb54fb/: the S2 decode step's LoRA
     # kernels 10.70 ms (n_split 2), 9.25 (n_split 1), 8.50 (b_col_tile 256) against the pair's
@@ -150,11 +150,6 @@ BLOCKS = {
     # so it stays off; the engine would need the step's tokens-per-adapter to pick per step.
     "mgpu": dict(decode=False, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
 }
-# expand "branch" (engine, off): the expand adds its product into zeros instead of the base output
-# y in place, and y + delta follows. The LoRA launches then depend on x alone, not on the base
-# matmul, so a CUDA graph built with XLA's data-flow concurrency
-# (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT) can run shrink and expand beside it;
-# in place, only the shrink could overlap. Costs a zero fill and an add a module.
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program
 # looping over its slot's live rank tiles instead of one program per (slot block, rank tile)

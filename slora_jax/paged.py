@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, BLOCKS as LORA_BLOCKS, fused_applies, lora_expand, \
-    lora_fused_delta, lora_shrink_group
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model
 from slora_jax.config import ModelConfig
@@ -326,11 +325,9 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
                 token_slot=lora.token_slot))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
-        branch = LORA_BLOCKS["expand"].get("branch", False)  # into zeros, then y + delta (see BLOCKS)
-        out = lora_expand(jnp.zeros_like(y) if branch else y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts,
-                          max_rank=lora.max_rank, out_features=fout, schedule=schedule, xa_col=col,
-                          block_t=lora.block_t, decode=shrink_bt == 1, token_slot=lora.token_slot)
-        return y + out if branch else out
+        return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
+                           out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
+                           decode=shrink_bt == 1, token_slot=lora.token_slot)
     return apply
 
 

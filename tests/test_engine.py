@@ -1242,23 +1242,6 @@ def test_split_partials_changes_no_output(paths, ref, monkeypatch):
     assert 4 in planes, planes
 
 
-def test_expand_branch_changes_no_output(paths, ref, monkeypatch):
-    """BLOCKS["expand"]["branch"]: each expand adds into zeros and y + delta follows (so the LoRA
-    launches depend on x alone): the reference's tokens, and the expands really get a zero y."""
-    from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "expand", {**lora_kernels.BLOCKS["expand"], "branch": True})
-    zero_y = []
-    real = paged.lora_expand
-
-    def spy(y, xa, *args, **kw):
-        jax.debug.callback(lambda zero: zero_y.append(bool(zero)), (y == 0).all())  # at run time, in the step
-        return real(y, xa, *args, **kw)
-    monkeypatch.setattr(paged, "lora_expand", spy)
-    generates_reference_tokens(paths, ref)
-    jax.effects_barrier()
-    assert zero_y and all(zero_y), zero_y
-
-
 @pytest.mark.parametrize("kernels", [("shrink",), ("shrink", "expand")])
 def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
     """BLOCKS["mbgmv"]: the Pallas decode steps' LoRA kernels in blocks of one token
