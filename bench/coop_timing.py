@@ -2,7 +2,7 @@
 
 Runs the coop kernel at issue 4's point (llama-7b's 4096 -> 4096 module, 64 decode tokens over 32
 adapters of ranks 8-64 cycling, A^T / B rows at random pool rows, bf16) with TIMING on: each program
-stores the global timer at its start, once `live` is read, once its chunk claim is answered, after
+stores the global timer at its start, once its table row is read, once its chunk claim is answered, after
 its own chunk is published, after the wait for the others, and at its end (lora_coop_kernel's
 docstring). Prints and writes (--out) the launch's span and each phase's spread over programs.
 
@@ -29,9 +29,6 @@ import numpy as np  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from triton_kernels import lora as tk  # noqa: E402
 
-PHASES = ("read live", "table + claim", "own chunk", "wait", "expand")
-
-
 def inputs(t: int, n: int, fin: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     ranks = np.array([(8, 16, 32, 64)[s % 4] for s in range(n)], np.int32)
@@ -54,7 +51,7 @@ def summarize(times: np.ndarray, live: int, table: np.ndarray) -> dict:
     tm = times[:live].astype(np.int64)
     rel = ((tm[:, :6] - tm[:, 0].min()) % (1 << 32)).astype(np.float64) / 1e3  # us from the first start
     owned = tm[:, 2] != 0  # programs that computed their own chunk
-    phases = {"read live": rel[:, 1] - rel[:, 0], "claim (table + atomic)": rel[owned, 2] - rel[owned, 1],
+    phases = {"read table row": rel[:, 1] - rel[:, 0], "claim (table + atomic)": rel[owned, 2] - rel[owned, 1],
               "own chunk (rows, A, dot, publish)": rel[owned, 3] - rel[owned, 2],
               "wait": np.concatenate([rel[owned, 4] - rel[owned, 3], rel[~owned, 4] - rel[~owned, 1]]),
               "expand (planes, B, y)": rel[:, 5] - rel[:, 4]}

@@ -259,7 +259,7 @@ _TRITON_TYPE = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16
                 jnp.dtype(jnp.int32): "*i32"}
 PTR_ARGS = {"lora_shrink_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "a_rows_ptr", "x_ptr",
                                    "rows_ptr", "_xa_in_ptr", "xa_ptr"),
-            "lora_coop_kernel": ("live_ptr", "table_ptr", "a_rows_ptr", "b_rows_ptr", "x_ptr", "rows_ptr",
+            "lora_coop_kernel": ("table_ptr", "a_rows_ptr", "b_rows_ptr", "x_ptr", "rows_ptr",
                                  "_y_in_ptr", "_cnt_in_ptr", "y_ptr", "cnt_ptr", "part_ptr", "times_ptr"),
             "lora_expand_kernel": ("total_ptr", "sched_ptr", "ranks_ptr", "b_rows_ptr", "xa_ptr",
                                    "rows_ptr", "y_ptr", "out_ptr")}

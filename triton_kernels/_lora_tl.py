@@ -135,7 +135,7 @@ def _now():
 
 
 @triton.jit
-def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_ptr, _cnt_in_ptr,
+def lora_coop_kernel(table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_ptr, _cnt_in_ptr,
                      y_ptr, cnt_ptr, part_ptr, times_ptr, BLOCK_T: tl.constexpr, RANK_TILE: tl.constexpr,
                      K_TILE: tl.constexpr, N_KC: tl.constexpr, COL_TILE: tl.constexpr, FIN: tl.constexpr,
                      FOUT: tl.constexpr, W: tl.constexpr, RA: tl.constexpr, RB: tl.constexpr,
@@ -143,12 +143,12 @@ def lora_coop_kernel(live_ptr, table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_pt
                      TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s) @ B_s for the tokens of every live item; table [programs, 8] holds each
     program's (item, slot, first token, block end, rank, its index c among the item's programs, the
-    item's chunk count NCH, the item's program count NP >= NCH), zeros past the live programs
-    (live [1] counts them). Program c computes chunk c (c < NCH) and expands the output column
+    item's chunk count NCH, the item's program count NP >= NCH), zeros past the live programs.
+    Program c computes chunk c (c < NCH) and expands the output column
     tiles c, c + NP, ... cnt [items, 1 + MAX_CH] (zeros on entry; y_ptr and cnt_ptr alias
     _y_in_ptr and _cnt_in_ptr): chunks done, then each chunk's claim flag. part [items, N_KC,
     BLOCK_T, R_PAD] float32: the partial planes. TIMING (bench/coop_timing.py): times [programs, 8]
-    int32 gets each program's global timer (_now) at its start, once `live` is read, once its claim
+    int32 gets each program's global timer (_now) at its start, once its table row is read, once its claim
     is answered, after its own chunk, after the wait, at its end, and its SM."""
     p = tl.program_id(0)
     if TIMING:

@@ -212,7 +212,7 @@ def coop_plan(y, x, rows, a_rows, b_rows, ranks, seg_starts, *, max_rank: int, f
     k_tile = _col_tile(width, fin, b["k_tile"])
     r_pad = -(-max_rank // b["rank_tile"]) * b["rank_tile"]
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))  # the kernel casts A tiles to x's dtype
-    arrays = (live, table, a_rows.astype(jnp.int32), b_rows.astype(jnp.int32), x, rows, y,
+    arrays = (table, a_rows.astype(jnp.int32), b_rows.astype(jnp.int32), x, rows, y,
               jnp.zeros((n_items, 1 + max_ch), jnp.int32))
     const = dict(BLOCK_T=block_t, RANK_TILE=b["rank_tile"], K_TILE=k_tile, N_KC=b["n_kc"],
                  COL_TILE=_col_tile(width, fout, b["col_tile"]), FIN=fin, FOUT=fout, W=width,
