@@ -56,9 +56,11 @@ BLOCKS = {
     # lora_coop_apply: n_kc parts of `in` a rank tile's shrink is cut into (chunks of k_tile
     # columns), col_tile the expand's output columns a tile, spins the waits before a program
     # computes unclaimed chunks itself; programs: a token block's programs at least (its chunks
-    # at least, its column tiles at most)
+    # at least, its column tiles at most). H200, issue 4's point (64 x 32, 4096 -> 4096, bf16 y),
+    # device µs (bench/results/20261130-1aac504/call4-coop-v2/): programs 4 / 8 / 16: 20.1 / 19.4 /
+    # 29.6 (16: 512 programs at two an SM run in two waves); the Pallas pair 18.7.
     "coop": dict(rank_tile=16, k_tile=512, n_kc=4, col_tile=256, spins=256, num_warps=4, num_stages=2,
-                 programs=16),
+                 programs=8),
 }
 if os.environ.get("SLORA_TRITON_BLOCKS"):  # a benchmark's setting, as SLORA_LORA_BLOCKS for the Pallas twins
     _merge_blocks(os.environ["SLORA_TRITON_BLOCKS"], "SLORA_TRITON_BLOCKS", BLOCKS)
