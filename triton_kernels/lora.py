@@ -135,15 +135,6 @@ def coop_sizes(t: int, n_slots: int, *, max_rank: int, block_t: int = BLOCK_T) -
     return items, max_ch, items * max(max_ch, b["programs"])
 
 
-def _item_programs(nch, fout: int, width: int):
-    """Programs of an item with nch chunks: nch, or more up to BLOCKS["coop"]["programs"] where
-    the output has that many column tiles (works on numpy and jnp ints alike)."""
-    b = BLOCKS["coop"]
-    n_ct = fout // _col_tile(width, fout, b["col_tile"])
-    return nch + ((nch > 0) * (max(nch, min(b["programs"], n_ct)) - nch) if isinstance(nch, int)
-                  else jnp.where(nch > 0, jnp.maximum(nch, min(b["programs"], n_ct)) - nch, 0))
-
-
 def _n_col_tiles(fout: int, width: int) -> int:
     return fout // _col_tile(width, fout, BLOCKS["coop"]["col_tile"])
 
