@@ -96,10 +96,10 @@ def lora_expand_kernel(total_ptr, sched_ptr, ranks_ptr, b_rows_ptr, xa_ptr, rows
 
 # ---------------------------------------------------------------------------------------------
 # Cooperative shrink + expand in one launch (lora_coop_apply). Each work item is one block of up
-# to BLOCK_T tokens of one slot; the NCH programs of an item each shrink one chunk (a rank tile of
-# RANK_TILE A^T rows over one of N_KC parts of `in`) into a float32 partial plane, publish it by
-# counting it done, wait until all NCH chunks are done, then expand the item's output column tiles
-# o = c, c + NCH, ... from the sum of the planes. A chunk is claimed (a flag swapped to 1) before it
+# to BLOCK_T tokens of one slot, run by NP programs. Program c < NCH shrinks chunk c (a rank tile
+# of RANK_TILE A^T rows over one of N_KC parts of `in`) into a float32 partial plane and publishes
+# it by counting it done; every program waits until all NCH chunks are done, then expands the
+# item's output column tiles o = c, c + NP, ... from the sum of the planes. A chunk is claimed (a flag swapped to 1) before it
 # is computed, and a program that has waited SPINS times computes the unclaimed chunks itself: a
 # program only ever waits for chunks claimed by running programs, so the launch cannot deadlock,
 # whatever the GPU runs at once (and Triton's interpreter, which runs programs one at a time, has
