@@ -267,31 +267,31 @@ class LoraPool:
         out = []
         bt = lora_kernels.decode_block_t("pallas")
         shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", self.width, self.fin)
+        seg = np.arange(n + 1, dtype=np.int32) * (t // n)  # every set: n slots of t // n tokens
+
+        def dev(schedule):
+            return tuple(map(jnp.asarray, schedule))
         for k in range(k_sets):
             m = np.array([((k * per + s // c) % self.per_class) * c + s % c for s in range(n)])
+            ranks = self.ranks[m]
             out.append({
                 "x": jax.random.normal(jax.random.PRNGKey(seed * 1000 + k), (t, self.fin),
                                        jnp.bfloat16),
                 "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
-                "ranks": jnp.asarray(self.ranks[m]),
-                "seg": jnp.asarray(np.arange(n + 1, dtype=np.int32) * (t // n)),
+                "ranks": jnp.asarray(ranks),
+                "seg": jnp.asarray(seg),
                 # the kernels' block schedule, built on the host as the engine builds it (the
                 # Pallas pair's at the engine's decode block_t, each kernel's: 1 where
                 # BLOCKS["mbgmv"] has it)
-                "schedule": tuple(map(jnp.asarray, lora_kernels.block_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t))),
-                "shrink_schedule": tuple(map(jnp.asarray, lora_kernels.shrink_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, shrink_bt,
-                    max_rank=self.max_rank))),
-                "fused_schedule": tuple(map(jnp.asarray, lora_kernels.fused_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank))),
-                "coop_schedule": tuple(map(jnp.asarray, triton_lora.coop_schedule(
-                    self.ranks[m], np.arange(n + 1, dtype=np.int32) * (t // n), t, max_rank=self.max_rank,
-                    fout=self.fout, width=self.width))),
+                "schedule": dev(lora_kernels.block_schedule(ranks, seg, t)),
+                "shrink_schedule": dev(lora_kernels.shrink_schedule(ranks, seg, t, shrink_bt, max_rank=self.max_rank)),
+                "fused_schedule": dev(lora_kernels.fused_schedule(ranks, seg, t, max_rank=self.max_rank)),
+                "coop_schedule": dev(triton_lora.coop_schedule(ranks, seg, t, max_rank=self.max_rank, fout=self.fout,
+                                                               width=self.width)),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
-            out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else tuple(
-                map(jnp.asarray, lora_kernels.block_schedule(self.ranks[m], np.asarray(out[-1]["seg"]), t, bt)))
+            out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else \
+                dev(lora_kernels.block_schedule(ranks, seg, t, bt))
         return out
 
 
@@ -409,7 +409,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
                               if p and "us" in p and res[other] and "us" in res[other] else None)
-                      for other in ("padded", "onehot", "xla_ref", "triton", "fused", "coop")}
+                      for other in VARIANTS if other != "pallas"}
     return out
 
 
