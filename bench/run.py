@@ -381,10 +381,23 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
         "step_seconds": {k: after["host_seconds"][k] - before["host_seconds"].get(k, 0.0)
                          for k in after.get("host_seconds", {})},
         "steps_by_kind": _steps_by_kind(before, after),
+        "host_ms_by_transition": _host_by_transition(before, after),
     }
     if tracer is not None:
         pool["serving_trace"] = tracer.summary()
     return recs, pool
+
+
+def _host_by_transition(before: dict, after: dict) -> dict:
+    """Engine.host_by_transition between two stats() snapshots: steps, and the host's mean input
+    building and dispatch milliseconds a step, by step kind and the kind of the step before."""
+    out = {}
+    for key, (n, inputs, dispatch) in after.get("host_by_transition", {}).items():
+        n0, i0, d0 = before.get("host_by_transition", {}).get(key, (0, 0.0, 0.0))
+        if n > n0:
+            out[key] = {"steps": n - n0, "inputs_ms": round((inputs - i0) * 1e3 / (n - n0), 3),
+                        "dispatch_ms": round((dispatch - d0) * 1e3 / (n - n0), 3)}
+    return out
 
 
 def _steps_by_kind(before: dict, after: dict) -> dict:

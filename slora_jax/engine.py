@@ -240,6 +240,11 @@ class Engine:
         # and what overlaps the device; device_wait is what is left of the step after dispatch.
         self.host_seconds = dict.fromkeys(
             ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device_wait", "complete"), 0.0)
+        # Host seconds of input building and dispatch by step transition ("decode>prefill": a
+        # prefill step dispatched after a decode step): [steps, inputs, dispatch]. Says whether a
+        # kind of step, or a change of executable, costs the host more (bench/run.py reports it).
+        self.host_by_transition: dict[str, list] = {}
+        self._last_kind = "none"
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         self._rows: dict = {}       # adapter key -> its residency (see _residency)
         self._decode_pages = self.decode_page_floor()
@@ -416,6 +421,7 @@ class Engine:
         timed = not first_run and t_pre < 0.5 * seconds
         with _phase("complete"):
             finished = plan.finished + self.sched.complete(plan, results, seconds if timed else None)
+        self._count_transition(plan.kind, t - t2, (t_wait - t) - t_pre)
         h = self.host_seconds  # where a step's wall time goes, summed (see stats())
         h["schedule"] += t1 - t0
         h["adapter_loads"] += t2 - t1
@@ -446,6 +452,7 @@ class Engine:
                 results.copy_to_host_async()
             launched = _InFlight(plan, results, t, first_run)
             self.step_count += 1
+            self._count_transition(plan.kind, t - t2, t_pre - t)
         finished = list(plan.finished)
         prev, self._in_flight = self._in_flight, launched
         t_done = t_wait
@@ -474,6 +481,13 @@ class Engine:
         h["device_wait"] += t_done - t_wait
         h["complete"] += time.perf_counter() - t_done
         return finished
+
+    def _count_transition(self, kind: str, inputs_s: float, dispatch_s: float) -> None:
+        row = self.host_by_transition.setdefault(f"{self._last_kind}>{kind}", [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += inputs_s
+        row[2] += dispatch_s
+        self._last_kind = kind
 
     def _launch(self, plan) -> tuple[jax.Array, bool, float]:
         """Order the plan's sequences by adapter, build its inputs and dispatch the step: (its
@@ -955,4 +969,5 @@ class Engine:
             "waiting": len(self.waiting), "page_size": self.ps, "evictions": self.pool.evictions,
             "preempted": self.num_preempted, "steps": self.step_count,
             "adapter_disk_loads": self.store.disk_loads, "host_seconds": dict(self.host_seconds),
+            "host_by_transition": {k: list(v) for k, v in self.host_by_transition.items()},
         }

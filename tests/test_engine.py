@@ -134,9 +134,15 @@ def test_mixed_batch_matches_reference(paths, llm, ref, page_size):
     else:
         engine = make_llm(paths, page_size=1, pool_pages=1 + sum(pages_of(paths, n, 1) for n in "abcd")
                           + sum(n + MAX_TOKENS for n in LENGTHS))
+    before = engine.stats()
     outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
     assert_same(outs, ref["old"])
     assert_drained(engine)
+    # every dispatched step is counted once, under its kind and the kind of the step before it
+    after = engine.stats()
+    moved = {k: n - before["host_by_transition"].get(k, [0])[0] for k, (n, _, _) in after["host_by_transition"].items()}
+    assert sum(moved.values()) == after["steps"] - before["steps"] > 0
+    assert moved.get("prefill>decode", 0) >= 1 and all(k.split(">")[1] in ("prefill", "decode") for k in moved)
 
 
 def test_kv_starved_pool_preempts(paths, ref):
