@@ -1,0 +1,170 @@
+"""Where the host time of a whole-model step call goes, in a serving-like loop (GPU).
+
+The S2 capacity runs put the unified engine's jitted step call at 7-13 ms of host time (prefill
+steps 11-13, decode 7-8.5) against the base model's 4.7-6.4 (run.py's host_ms_by_transition).
+This builds S2's decode step (B x context on n adapters) and a packed prefill step, with and
+without adapters, and runs them in a fixed pattern of decode (D) and prefill (P) steps with one
+step in flight, as the engine's overlapped loop does:
+
+- untraced: the host milliseconds of each paged.step call, by transition (D>P: a prefill call
+  after a decode call), per variant;
+- traced (jax.profiler): the host events inside those calls, summed by name a call (CUDA driver
+  calls such as graph launches and updates, XLA's thunk and command-buffer spans), so the cost
+  can be named.
+
+Run one process per XLA_FLAGS setting and compare:
+
+    python3 bench/dispatch_probe.py --out probe.json
+    XLA_FLAGS="--xla_gpu_enable_command_buffer_va_remapping=true \
+      --xla_gpu_command_buffer_update_mode=SKIP_TEMP" python3 bench/dispatch_probe.py --out probe-va.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.device_trace import trace_events  # noqa: E402
+from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
+from slora_jax import LLM, paged  # noqa: E402
+from slora_jax.adapters import random_peft_adapter  # noqa: E402
+
+
+def run_pattern(llm, steps: dict, pattern: str) -> list[tuple[str, float]]:
+    """Dispatch steps[c] for each c of pattern, one step in flight (dispatch the next, then wait
+    for the one before): [(transition, host seconds of the call)]."""
+    eng, prev, last, out = llm.engine, None, "-", []
+    for c in pattern:
+        t = time.perf_counter()
+        eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+        out.append((f"{last}>{c}", time.perf_counter() - t))
+        if prev is not None:
+            prev.block_until_ready()
+        prev, last = res, c
+    prev.block_until_ready()
+    return out
+
+
+def by_transition(calls: list[tuple[str, float]]) -> dict:
+    acc = collections.defaultdict(list)
+    for k, s in calls:
+        acc[k].append(s * 1e3)
+    return {k: {"calls": len(v), "mean_ms": round(sum(v) / len(v), 3), "min_ms": round(min(v), 3),
+                "max_ms": round(max(v), 3)} for k, v in sorted(acc.items())}
+
+
+def host_events(trace_dir: str, top: int) -> dict:
+    """Host-side complete events inside the traced paged.step calls (`probe.call` spans), summed by
+    name: total ms and count a call, the `top` names by time."""
+    ev = trace_events(trace_dir)
+    calls = [e for e in ev if e.get("ph") == "X" and e.get("name") == "probe.call"]
+    if not calls:
+        return {}
+    tid = {(c["pid"], c.get("tid")) for c in calls}
+    spans = sorted((float(c["ts"]), float(c["ts"]) + float(c["dur"])) for c in calls)
+    acc = collections.defaultdict(lambda: [0.0, 0])
+    for e in ev:
+        if e.get("ph") != "X" or e.get("name") == "probe.call" or (e["pid"], e.get("tid")) not in tid:
+            continue
+        a = float(e["ts"])
+        if any(s <= a < f for s, f in spans):
+            acc[e["name"]][0] += float(e.get("dur", 0.0))
+            acc[e["name"]][1] += 1
+    n = len(calls)
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"calls": n, "call_ms": round(sum(f - s for s, f in spans) / n / 1e3, 3),
+            "events": [{"name": k[:120], "ms_a_call": round(v[0] / n / 1e3, 4), "count_a_call": round(v[1] / n, 1)}
+                       for k, v in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-7b")
+    ap.add_argument("--batch", type=int, default=172)
+    ap.add_argument("--context", type=int, default=430)
+    ap.add_argument("--adapters", type=int, default=156)
+    ap.add_argument("--ranks", default="64,32,16,8")
+    ap.add_argument("--prefill", default="2:256", metavar="N:L")
+    ap.add_argument("--pattern", default="DDDDPDDPPDDDPDPDDDDP")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--traced-reps", type=int, default=1)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ranks = [int(r) for r in args.ranks.split(",")]
+    n_pre, len_pre = (int(v) for v in args.prefill.split(":"))
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=2 * args.batch + 2 * n_pre, max_lora_rank=max(ranks),
+              memory_fraction=0.7, max_adapters_per_batch=args.batch, max_prefill_seqs=32, max_prefill_tokens=4096)
+    randomize_pool(llm)
+    set_backends(llm, "hybrid/pallas/grouped")
+    tmp = Path(tempfile.mkdtemp(prefix="slora-probe-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    files, names = {}, []
+    for i in range(args.adapters):
+        rank, f = ranks[i % len(ranks)], (i // len(ranks)) % 4
+        if (rank, f) not in files:
+            files[rank, f] = random_peft_adapter(tmp / f"r{rank}-{f}", llm.cfg, rank=rank, std=0.02,
+                                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=len(files))
+        llm.load_adapter(f"lora-{i}", files[rank, f])
+        names.append(f"lora-{i}")
+    result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "pattern": args.pattern, "reps": args.reps, "variants": {}}
+    for variant, adapters in (("unified", names), ("base", [])):
+        _, dec = decode_batch(llm, args.batch, args.context, adapters)
+        _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
+        steps = {"D": dec, "P": pre}
+        t0 = time.perf_counter()
+        run_pattern(llm, steps, "DDPP")  # compile both and warm up
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        calls = run_pattern(llm, steps, args.pattern * args.reps)
+        wall = time.perf_counter() - t0
+        trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            eng, prev = llm.engine, None
+            for c in args.pattern * args.traced_reps:
+                with jax.profiler.TraceAnnotation("probe.call"):
+                    eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+                if prev is not None:
+                    prev.block_until_ready()
+                prev = res
+            prev.block_until_ready()
+        try:
+            host = host_events(trace_dir, args.top)
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        v = {"compile_s": round(compile_s, 1), "wall_ms_a_step": round(wall * 1e3 / len(calls), 3),
+             "host_ms_by_transition": by_transition(calls), "traced_host": host}
+        result["variants"][variant] = v
+        print(f"{variant}: wall {v['wall_ms_a_step']} ms a step; host ms a call by transition:", flush=True)
+        for k, r in v["host_ms_by_transition"].items():
+            print(f"  {k}: {r}")
+        if host:
+            print(f"  traced: {host['calls']} calls, {host['call_ms']} ms a call; host events a call:")
+            for e in host["events"]:
+                print(f"    {e['ms_a_call']:8.3f} ms  x{e['count_a_call']:<7} {e['name']}")
+        jax.block_until_ready(llm.engine.kv)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    jnp.zeros(1)  # the backend up before the model loads
+    main()
