@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.device_trace import trace_events  # noqa: E402
 from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
@@ -46,18 +47,28 @@ from slora_jax import LLM, paged  # noqa: E402
 from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
 
-def run_pattern(llm, steps: dict, pattern: str) -> list[tuple[str, float]]:
+def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Counter) -> list[tuple[str, float]]:
     """Dispatch steps[c] for each c of pattern, one step in flight (dispatch the next, then wait
-    for the one before): [(transition, host seconds of the call)]."""
+    for the one before): [(transition, host seconds of the call)]. Each step's results (sampled
+    token and logprob a row) must equal the first results of its kind (`first`, filled on first
+    sight): the same inputs every time, so a command buffer replayed with stale addresses shows
+    as a mismatch, counted in `bad` by kind."""
     eng, prev, last, out = llm.engine, None, "-", []
+
+    def check(c, res):
+        got = np.asarray(res)
+        if c not in first:
+            first[c] = got
+        elif not np.array_equal(got, first[c], equal_nan=True):
+            bad[c] += 1
     for c in pattern:
         t = time.perf_counter()
         eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
         out.append((f"{last}>{c}", time.perf_counter() - t))
         if prev is not None:
-            prev.block_until_ready()
+            check(last, prev)
         prev, last = res, c
-    prev.block_until_ready()
+    check(last, prev)
     return out
 
 
@@ -130,11 +141,12 @@ def main() -> None:
         _, dec = decode_batch(llm, args.batch, args.context, adapters)
         _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
         steps = {"D": dec, "P": pre}
+        first, bad = {}, collections.Counter()
         t0 = time.perf_counter()
-        run_pattern(llm, steps, "DDPP")  # compile both and warm up
+        run_pattern(llm, steps, "DDPP", first, bad)  # compile both and warm up
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        calls = run_pattern(llm, steps, args.pattern * args.reps)
+        calls = run_pattern(llm, steps, args.pattern * args.reps, first, bad)
         wall = time.perf_counter() - t0
         trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -151,9 +163,11 @@ def main() -> None:
         finally:
             shutil.rmtree(trace_dir, ignore_errors=True)
         v = {"compile_s": round(compile_s, 1), "wall_ms_a_step": round(wall * 1e3 / len(calls), 3),
-             "host_ms_by_transition": by_transition(calls), "traced_host": host}
+             "host_ms_by_transition": by_transition(calls), "traced_host": host,
+             "results_mismatched": dict(bad), "results_checked": len(calls) + 4}
         result["variants"][variant] = v
-        print(f"{variant}: wall {v['wall_ms_a_step']} ms a step; host ms a call by transition:", flush=True)
+        print(f"{variant}: wall {v['wall_ms_a_step']} ms a step; results differing from the first of their kind: "
+              f"{dict(bad) or 'none'} of {len(calls) + 4}; host ms a call by transition:", flush=True)
         for k, r in v["host_ms_by_transition"].items():
             print(f"  {k}: {r}")
         if host:
