@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--traced-reps", type=int, default=1)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--variants", default="unified,base", help="comma list of unified (adapters), base")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -138,6 +139,8 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "pattern": args.pattern, "reps": args.reps, "variants": {}}
     for variant, adapters in (("unified", names), ("base", [])):
+        if variant not in args.variants.split(","):
+            continue
         _, dec = decode_batch(llm, args.batch, args.context, adapters)
         _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
         steps = {"D": dec, "P": pre}
