@@ -47,7 +47,8 @@ from slora_jax import LLM, paged  # noqa: E402
 from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
 
-def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Counter) -> list[tuple[str, float]]:
+def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Counter,
+                buffers=None) -> list[tuple[str, float]]:
     """Dispatch steps[c] for each c of pattern, one step in flight (dispatch the next, then wait
     for the one before): [(transition, host seconds of the call)]. Each step's results (sampled
     token and logprob a row) must equal the first results of its kind (`first`, filled on first
@@ -63,7 +64,8 @@ def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Co
             bad[c] += 1
     for c in pattern:
         t = time.perf_counter()
-        eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+        inp = steps[c] if buffers is None else buffers.stage(steps[c])
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, buffers=buffers)
         out.append((f"{last}>{c}", time.perf_counter() - t))
         if prev is not None:
             check(last, prev)
@@ -117,6 +119,10 @@ def main() -> None:
     ap.add_argument("--traced-reps", type=int, default=1)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--variants", default="unified,base", help="comma list of unified (adapters), base")
+    ap.add_argument("--modes", default="plain,buffers",
+                    help="comma list: plain (fresh inputs and outputs every step, the engine before "
+                         "StepBuffers), buffers (paged.StepBuffers: inputs refilled in place, K/V into a "
+                         "persistent buffer)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -138,25 +144,33 @@ def main() -> None:
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "pattern": args.pattern, "reps": args.reps, "variants": {}}
-    for variant, adapters in (("unified", names), ("base", [])):
-        if variant not in args.variants.split(","):
-            continue
-        _, dec = decode_batch(llm, args.batch, args.context, adapters)
-        _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
-        steps = {"D": dec, "P": pre}
+    eng = llm.engine
+    rows = max(args.batch, n_pre * len_pre)
+    runs = [(v, m) for v in ("unified", "base") if v in args.variants.split(",")
+            for m in ("plain", "buffers") if m in args.modes.split(",")]
+    made, firsts = {}, {}
+    for variant, mode in runs:
+        adapters = names if variant == "unified" else []
+        if variant not in made:  # host (numpy) inputs, as the engine builds them every step
+            _, dec = decode_batch(llm, args.batch, args.context, adapters)
+            _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
+            made[variant] = {"D": jax.tree.map(np.asarray, dec), "P": jax.tree.map(np.asarray, pre)}
+        steps = made[variant]
+        buffers = paged.StepBuffers.create(llm.cfg, rows, eng.dtype, eng.kv[0].sharding) if mode == "buffers" else None
         first, bad = {}, collections.Counter()
         t0 = time.perf_counter()
-        run_pattern(llm, steps, "DDPP", first, bad)  # compile both and warm up
+        run_pattern(llm, steps, "DDPP", first, bad, buffers)  # compile both and warm up
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        calls = run_pattern(llm, steps, args.pattern * args.reps, first, bad)
+        calls = run_pattern(llm, steps, args.pattern * args.reps, first, bad, buffers)
         wall = time.perf_counter() - t0
         trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             eng, prev = llm.engine, None
             for c in args.pattern * args.traced_reps:
                 with jax.profiler.TraceAnnotation("probe.call"):
-                    eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+                    inp = steps[c] if buffers is None else buffers.stage(steps[c])
+                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, buffers=buffers)
                 if prev is not None:
                     prev.block_until_ready()
                 prev = res
@@ -168,9 +182,16 @@ def main() -> None:
         v = {"compile_s": round(compile_s, 1), "wall_ms_a_step": round(wall * 1e3 / len(calls), 3),
              "host_ms_by_transition": by_transition(calls), "traced_host": host,
              "results_mismatched": dict(bad), "results_checked": len(calls) + 4}
-        result["variants"][variant] = v
-        print(f"{variant}: wall {v['wall_ms_a_step']} ms a step; results differing from the first of their kind: "
-              f"{dict(bad) or 'none'} of {len(calls) + 4}; host ms a call by transition:", flush=True)
+        if variant in firsts:  # the same steps' results under the mode before (exactly equal expected)
+            v["results_equal_to_" + firsts[variant][0]] = all(
+                np.array_equal(first[c], firsts[variant][1][c], equal_nan=True) for c in first)
+        else:
+            firsts[variant] = (mode, first)
+        result["variants"][f"{variant}/{mode}"] = v
+        print(f"{variant}/{mode}: wall {v['wall_ms_a_step']} ms a step; results differing from the first of their kind: "
+              f"{dict(bad) or 'none'} of {len(calls) + 4}"
+              + "".join(f"; {k}: {x}" for k, x in v.items() if k.startswith("results_equal"))
+              + "; host ms a call by transition:", flush=True)
         for k, r in v["host_ms_by_transition"].items():
             print(f"  {k}: {r}")
         if host:

@@ -10,6 +10,7 @@ The "xla" backends here are plain jnp: correct everywhere, and the baseline the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -198,6 +199,7 @@ def paged_attention_xla(q, k, v, pool_layer, inp: StepInputs):
 
 
 def write_kv(pool_layer, k, v, kv_slot):
+    k, v = k[:kv_slot.shape[0]], v[:kv_slot.shape[0]]  # a StepBuffers K/V buffer has rows to spare
     ps = pool_layer.shape[2]
     page, off = kv_slot // ps, kv_slot % ps
     pool_layer = pool_layer.at[page, 0, off].set(k.reshape(k.shape[0], -1).astype(pool_layer.dtype))
@@ -463,15 +465,78 @@ def _unpack(buf, meta):
     return out
 
 
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0, buffers: "StepBuffers | None" = None):
     """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer = k
     >= 1 (True: 1): through forward_sample_per_layer, k decoder layers a jit (see
-    EngineOptions.compile_per_layer and layers_per_call); 0: one jit over the unrolled model."""
+    EngineOptions.compile_per_layer and layers_per_call); 0: one jit over the unrolled model.
+    buffers (whole-model jit only): the new K/V go through its persistent buffer (see StepBuffers)."""
     if per_layer:
         new_kv, results = forward_sample_per_layer(params, pool, inp, cfg=cfg, layers_per_call=int(per_layer))
+    elif buffers is not None:
+        new_kv, results = forward_sample_into(params, pool, inp, buffers.kv_out, cfg=cfg)
+        buffers.kv_out = new_kv
     else:
         new_kv, results = forward_sample(params, pool, inp, cfg=cfg)
     return commit_kv(pool, new_kv, inp.kv_slot), results
+
+
+# Stable device addresses for the step (StepBuffers, refill). XLA runs a whole-model step as CUDA
+# graphs (command buffers) and, before each launch, updates every graph node whose buffers moved
+# since the last launch. A step's fresh inputs (new arrays every step) and its new K/V (64 fresh
+# outputs on llama-7b) move every time, and the node updates cost the host milliseconds a step
+# (bench/dispatch_probe.py: ~3.7 ms of command-buffer update a call, ~800 of ~900 commands). So
+# the engine copies each step's inputs into persistent buffers of their shape (refill: in place,
+# the buffers donated) and has the step write its new K/V into one persistent donated buffer.
+
+
+@dataclasses.dataclass
+class StepBuffers:
+    """Persistent device buffers of the whole-model step: kv_out, [(k, v)] a layer of `rows`
+    tokens (the most a step has), donated to every step, which writes its new K/V into the first
+    T rows (commit_kv reads those); `staged`: step inputs by shape, refilled in place each step."""
+    kv_out: list
+    staged: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, rows: int, dtype, sharding) -> "StepBuffers":
+        shape = (rows, cfg.num_key_value_heads, cfg.head_dim)
+        zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                                 for _ in range(cfg.num_hidden_layers)], out_shardings=sharding)
+        return cls(zeros())
+
+    def stage(self, inp: StepInputs) -> StepInputs:
+        """inp's arrays in this shape's persistent buffers: the first time, put on the device and
+        kept; after that copied into them in place (refill)."""
+        leaves, treedef = jax.tree_util.tree_flatten(inp)
+        key = (treedef, tuple((np.shape(x), np.result_type(x).str) for x in leaves))
+        held = self.staged.get(key)
+        if held is None:  # copies of their own: a leaf already on the device is not the caller's to donate
+            held = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(inp, self.kv_out[0][0].sharding))
+        else:
+            held = refill(held, inp)
+        self.staged[key] = held
+        return held
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def refill(held, fresh):
+    """`fresh` copied into the donated buffers `held` (same tree, shapes and dtypes): the outputs
+    alias them, so the next step reads its inputs at the addresses the last one did."""
+    def into(h, f):
+        flat = jax.lax.dynamic_update_slice(h.reshape(-1), f.reshape(-1).astype(h.dtype), (0,))
+        return flat.reshape(h.shape)
+    return jax.tree.map(into, held, fresh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=3)
+def forward_sample_into(params, pool, inp: StepInputs, kv_out, *, cfg: ModelConfig):
+    """forward_sample with the new K/V written into the first T rows of kv_out (donated, so the
+    step's outputs keep their addresses from step to step)."""
+    h, new_kv = _forward(params, pool, inp, cfg)
+    kv_out = [(jax.lax.dynamic_update_slice(ko, k.astype(ko.dtype), (0, 0, 0)),
+               jax.lax.dynamic_update_slice(vo, v.astype(vo.dtype), (0, 0, 0)))
+              for (ko, vo), (k, v) in zip(kv_out, new_kv)]
+    return kv_out, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
