@@ -64,8 +64,10 @@ def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Co
             bad[c] += 1
     for c in pattern:
         t = time.perf_counter()
-        inp = steps[c] if buffers is None else buffers.stage(steps[c])
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, buffers=buffers)
+        if buffers is None:
+            eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+        else:
+            eng.kv, res = paged.step_packed(llm.params, eng.kv, buffers.stage(steps[c]), buffers, cfg=llm.cfg)
         out.append((f"{last}>{c}", time.perf_counter() - t))
         if prev is not None:
             check(last, prev)
@@ -121,8 +123,8 @@ def main() -> None:
     ap.add_argument("--variants", default="unified,base", help="comma list of unified (adapters), base")
     ap.add_argument("--modes", default="plain,buffers",
                     help="comma list: plain (fresh inputs and outputs every step, the engine before "
-                         "StepBuffers), buffers (paged.StepBuffers: inputs refilled in place, K/V into a "
-                         "persistent buffer)")
+                         "StepBuffers), buffers (paged.step_packed: inputs packed into one buffer refilled "
+                         "in place, K/V into a persistent buffer)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -169,8 +171,11 @@ def main() -> None:
             eng, prev = llm.engine, None
             for c in args.pattern * args.traced_reps:
                 with jax.profiler.TraceAnnotation("probe.call"):
-                    inp = steps[c] if buffers is None else buffers.stage(steps[c])
-                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, buffers=buffers)
+                    if buffers is None:
+                        eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
+                    else:
+                        eng.kv, res = paged.step_packed(llm.params, eng.kv, buffers.stage(steps[c]), buffers,
+                                                        cfg=llm.cfg)
                 if prev is not None:
                     prev.block_until_ready()
                 prev = res

@@ -465,37 +465,76 @@ def _unpack(buf, meta):
     return out
 
 
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0, buffers: "StepBuffers | None" = None):
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):
     """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer = k
     >= 1 (True: 1): through forward_sample_per_layer, k decoder layers a jit (see
     EngineOptions.compile_per_layer and layers_per_call); 0: one jit over the unrolled model.
-    buffers (whole-model jit only): the new K/V go through its persistent buffer (see StepBuffers)."""
+    (step_packed: the same step through StepBuffers.)"""
     if per_layer:
         new_kv, results = forward_sample_per_layer(params, pool, inp, cfg=cfg, layers_per_call=int(per_layer))
-    elif buffers is not None:
-        new_kv, results = forward_sample_into(params, pool, inp, buffers.kv_out, cfg=cfg)
-        buffers.kv_out = new_kv
     else:
         new_kv, results = forward_sample(params, pool, inp, cfg=cfg)
     return commit_kv(pool, new_kv, inp.kv_slot), results
 
 
-# Stable device addresses for the step (StepBuffers, refill). XLA runs a whole-model step as CUDA
-# graphs (command buffers) and, before each launch, updates every graph node whose buffers moved
-# since the last launch. A step's fresh inputs (new arrays every step) and its new K/V (64 fresh
+# Stable device addresses for the step (StepBuffers). XLA runs a whole-model step as CUDA graphs
+# (command buffers) and, before each launch, updates every graph node whose buffers moved since
+# the last launch. A step's fresh inputs (~40 new arrays every step) and its new K/V (64 fresh
 # outputs on llama-7b) move every time, and the node updates cost the host milliseconds a step
-# (bench/dispatch_probe.py: ~3.7 ms of command-buffer update a call, ~800 of ~900 commands). So
-# the engine copies each step's inputs into persistent buffers of their shape (refill: in place,
-# the buffers donated) and has the step write its new K/V into one persistent donated buffer.
+# (bench/dispatch_probe.py, H200, S2's decode step: ~2.9 ms of command-buffer update a call; ~780
+# of ~875 commands updated). So the engine packs each step's host-built inputs into one buffer,
+# copies it into a persistent device buffer of its size (one transfer, one small in-place copy),
+# and the step unpacks its inputs from there and writes its new K/V into one persistent donated
+# buffer: the big graph sees the same addresses every step.
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """How a StepInputs was packed (hashable: a static jit argument): its tree, and per leaf
+    ("h", shape, dtype, offset) for a host array in the int32 buffer or ("d", i) for the i-th
+    device array passed beside it (the previous step's results)."""
+    treedef: object
+    leaves: tuple
+
+
+def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, list, PackSpec]:
+    """(int32 buffer of inp's host arrays (4-byte dtypes), its device arrays, PackSpec)."""
+    leaves, treedef = jax.tree_util.tree_flatten(inp)
+    parts, device, meta, at = [], [], [], 0
+    for x in leaves:
+        if isinstance(x, np.ndarray) and x.dtype.itemsize == 4:
+            flat = np.ascontiguousarray(x).reshape(-1).view(np.int32)
+            meta.append(("h", x.shape, x.dtype.str, at))
+            parts.append(flat)
+            at += flat.size
+        else:
+            meta.append(("d", len(device)))
+            device.append(x)
+    buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return buf, device, PackSpec(treedef, tuple(meta))
+
+
+def unpack_inputs(buf, device: list, spec: PackSpec) -> StepInputs:
+    """pack_inputs undone, inside a jit: static slices of buf (no copies once fused)."""
+    out = []
+    for m in spec.leaves:
+        if m[0] == "d":
+            out.append(device[m[1]])
+            continue
+        _, shape, dtype, at = m
+        n = int(np.prod(shape, dtype=np.int64))
+        x = buf[at:at + n].reshape(shape)
+        out.append(x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype)))
+    return jax.tree_util.tree_unflatten(spec.treedef, out)
 
 
 @dataclasses.dataclass
 class StepBuffers:
-    """Persistent device buffers of the whole-model step: kv_out, [(k, v)] a layer of `rows`
-    tokens (the most a step has), donated to every step, which writes its new K/V into the first
-    T rows (commit_kv reads those); `staged`: step inputs by shape, refilled in place each step."""
+    """The step's persistent device buffers: kv_out, [(k, v)] a layer of `rows` tokens (the most a
+    step has), donated to every step, which writes its new K/V into the first T rows (commit reads
+    those); `held`: the packed inputs' buffer by size, refilled in place every step."""
     kv_out: list
-    staged: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(cls, cfg: ModelConfig, rows: int, dtype, sharding) -> "StepBuffers":
@@ -504,34 +543,49 @@ class StepBuffers:
                                  for _ in range(cfg.num_hidden_layers)], out_shardings=sharding)
         return cls(zeros())
 
-    def stage(self, inp: StepInputs) -> StepInputs:
-        """inp's arrays in this shape's persistent buffers: the first time, put on the device and
-        kept; after that copied into them in place (refill)."""
-        leaves, treedef = jax.tree_util.tree_flatten(inp)
-        key = (treedef, tuple((np.shape(x), np.result_type(x).str) for x in leaves))
-        held = self.staged.get(key)
-        if held is None:  # copies of their own: a leaf already on the device is not the caller's to donate
-            held = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(inp, self.kv_out[0][0].sharding))
-        else:
-            held = refill(held, inp)
-        self.staged[key] = held
-        return held
+    def stage(self, inp: StepInputs) -> tuple[jax.Array, list, PackSpec]:
+        """inp packed, its buffer copied into the persistent one of that size: (that buffer, inp's
+        device arrays, PackSpec), the arguments of step_packed."""
+        buf, device, spec = pack_inputs(inp)
+        held = self.held.get(buf.size)
+        held = jax.device_put(buf, self.kv_out[0][0].sharding) if held is None else refill(held, buf)
+        self.held[buf.size] = held
+        return held, device, spec
+
+    def bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_out)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def refill(held, fresh):
-    """`fresh` copied into the donated buffers `held` (same tree, shapes and dtypes): the outputs
-    alias them, so the next step reads its inputs at the addresses the last one did."""
-    def into(h, f):
-        flat = jax.lax.dynamic_update_slice(h.reshape(-1), f.reshape(-1).astype(h.dtype), (0,))
-        return flat.reshape(h.shape)
-    return jax.tree.map(into, held, fresh)
+    """`fresh` copied into the donated `held` (same shape): the output aliases it, so the step
+    reads its inputs at the address the step before did."""
+    return jax.lax.dynamic_update_slice(held, fresh.astype(held.dtype), (0,))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=3)
-def forward_sample_into(params, pool, inp: StepInputs, kv_out, *, cfg: ModelConfig):
-    """forward_sample with the new K/V written into the first T rows of kv_out (donated, so the
-    step's outputs keep their addresses from step to step)."""
+def step_packed(params, pool, staged: tuple, buffers: StepBuffers, *, cfg: ModelConfig):
+    """paged.step on StepBuffers.stage's output: (pool, results); buffers.kv_out is replaced by the
+    step's (the same buffers, donated and returned)."""
+    buf, device, spec = staged
+    kv_out, results = forward_sample_packed(params, pool, buf, device, buffers.kv_out, cfg=cfg, spec=spec)
+    buffers.kv_out = kv_out
+    return commit_kv_packed(pool, kv_out, buf, spec=spec), results
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=4)
+def forward_sample_packed(params, pool, buf, device, kv_out, *, cfg: ModelConfig, spec: PackSpec):
+    return _forward_into(params, pool, unpack_inputs(buf, device, spec), kv_out, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=0)
+def commit_kv_packed(pool, new_kv, buf, *, spec: PackSpec):
+    kv_slot = unpack_inputs(buf, [None] * len(spec.leaves), spec).kv_slot
+    return [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, new_kv)]
+
+
+def _forward_into(params, pool, inp: StepInputs, kv_out, cfg: ModelConfig):
+    """forward_sample with the new K/V written into the first T rows of kv_out (donated by the
+    caller's jit, so the step's outputs keep their addresses from step to step)."""
     h, new_kv = _forward(params, pool, inp, cfg)
     kv_out = [(jax.lax.dynamic_update_slice(ko, k.astype(ko.dtype), (0, 0, 0)),
                jax.lax.dynamic_update_slice(vo, v.astype(vo.dtype), (0, 0, 0)))
