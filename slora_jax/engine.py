@@ -94,6 +94,15 @@ class EngineOptions(SchedulerOptions):
     # (bench/results/20261130-417b14d/serving-host, one process) it changed nothing: 20.3 -> 20.3
     # req/s with adapters, 26.3 -> 26.4 without; the jitted call's host time 9.4 -> 9.3 ms a step.
     pack_inputs: bool = False
+    # Whole-model steps through persistent device buffers (paged.StepBuffers): the host-built
+    # inputs packed into one buffer and copied into a persistent one in place, the new K/V
+    # written into one persistent donated buffer, the sampled rows into a persistent two-slot
+    # buffer. XLA runs the step as CUDA graphs and updates every graph node whose buffers moved
+    # since the last launch; with fresh inputs and outputs every step that cost the host ~3 ms a
+    # call on the H200 (bench/dispatch_probe.py). Costs the K/V buffer (max step tokens x layers
+    # x 2 x kv width: 2 GiB for llama-7b at 4096 prefill tokens), taken before the pool is sized.
+    # None: on for a GPU with the whole-model jit, off otherwise (no command buffers to spare).
+    stable_buffers: bool | None = None
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -149,6 +158,11 @@ class EngineOptions(SchedulerOptions):
             raise ValueError(f"layers_per_call must be >= 1, got {self.layers_per_call}")
         if self.overlap_steps is None:
             self.overlap_steps = jax.default_backend() != "cpu"
+        if self.stable_buffers is None:
+            self.stable_buffers = jax.default_backend() == "gpu" and not (self.compile_per_layer or self.pack_inputs)
+        if self.stable_buffers and (self.compile_per_layer or self.pack_inputs):
+            raise ValueError("stable_buffers is for the whole-model jit and packs the inputs itself: set "
+                             "stable_buffers=False with compile_per_layer or pack_inputs")
         if self.attention_backend == "triton":
             raise ValueError("attention_backend='triton' is not available (no Triton attention "
                              "kernel); use 'pallas' or 'xla'")
@@ -225,6 +239,11 @@ class Engine:
         if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None:
             jax.config.update("jax_compilation_cache_dir", opts.compilation_cache_dir)
         self.ps = opts.page_size
+        self._result_rows = _pow2(max(opts.max_num_seqs + opts.max_prefill_seqs, opts.min_decode_batch))
+        # before the pool is sized from the free memory: the K/V buffer is held for good
+        self._buffers = paged.StepBuffers.create(
+            cfg, self._step_rows(), self._result_rows, self.dtype,
+            jax.sharding.SingleDeviceSharding(jax.devices()[0])) if opts.stable_buffers else None
         num_pages = self.num_pages = opts.pool_pages or self._pages_from_budget()
         self.pool = self._make_pool(num_pages)
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
@@ -253,10 +272,15 @@ class Engine:
         # (id(request) -> results row) and its results on the device; results have these rows.
         self._in_flight: _InFlight | None = None
         self._feed_rows: dict[int, int] = {}
-        self._result_rows = _pow2(max(opts.max_num_seqs + opts.max_prefill_seqs, opts.min_decode_batch))
         self._prev_results = jax.device_put(np.zeros((self._result_rows, 2), np.float32), self.kv[0].sharding) \
             if opts.overlap_steps else None
         self._last_done = 0.0
+
+    def _step_rows(self) -> int:
+        """The most tokens a step has: a prefill step's bucket (prompts are chunked to
+        max_prefill_tokens) or a decode step's."""
+        o = self.opts
+        return max(_pow2(o.max_prefill_tokens, 16), _pow2(max(o.max_num_seqs, o.min_decode_batch)))
 
     def decode_page_floor(self) -> int:
         """The decode page-table bucket's floor: the Pallas kernel reads only each row's live pages,
@@ -504,9 +528,18 @@ class Engine:
             self._shapes.add(shape)
         t = time.perf_counter()
         with _phase("dispatch"):
-            inp = self._device_inputs(inp)
-            self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, per_layer=self.layers_per_call)
+            results = self._dispatch(inp)
         return results, first_run, t
+
+    def _dispatch(self, inp: paged.StepInputs) -> jax.Array:
+        """Run the step on the device (asynchronously): its results."""
+        if self._buffers is not None:
+            self.kv, results = paged.step_packed(self.params, self.kv, self._buffers.stage(inp), self._buffers,
+                                                 cfg=self.cfg)
+        else:
+            self.kv, results = paged.step(self.params, self.kv, self._device_inputs(inp), cfg=self.cfg,
+                                          per_layer=self.layers_per_call)
+        return results
 
     def _device_inputs(self, inp: paged.StepInputs) -> paged.StepInputs:
         return paged.device_inputs(inp, self.kv[0].sharding) if self.opts.pack_inputs else inp
@@ -659,6 +692,11 @@ class Engine:
             inp = self._device_inputs(inp)  # as the steps will pass them: the same jit cache entry
             if per_layer:
                 paged.compile_layer_steps(self.params, self.kv, inp, cfg=self.cfg, layers_per_call=per_layer)
+            elif self._buffers is not None:
+                buf, device, spec = paged.pack_inputs(inp)
+                b = self._buffers
+                paged.forward_sample_packed.lower(self.params, self.kv, np.append(buf, np.int32(0)), device,
+                                                  b.kv_out, b.results, cfg=self.cfg, spec=spec).compile()
             else:
                 paged.forward_sample.lower(self.params, self.kv, inp, cfg=self.cfg).compile()
             kind = "decode" if inp.decode else "prefill"
@@ -671,8 +709,7 @@ class Engine:
                 bar.set_postfix_str(done.result())
                 bar.update()
         for inp in shapes:  # now cache hits; commit_kv (small) compiles here
-            self.kv, results = paged.step(self.params, self.kv, self._device_inputs(inp), cfg=self.cfg,
-                                          per_layer=per_layer)
+            results = self._dispatch(inp)
             self._shapes.add(("decode" if inp.decode else "prefill", jax.tree_util.tree_structure(inp),
                               tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp))))
         bar.close()

@@ -710,6 +710,16 @@ def test_bad_adapter_memory_options(options, match):
         EngineOptions(**options)
 
 
+def test_stable_buffers_options():
+    """stable_buffers: off on a CPU by default, and refused beside the per-layer jits or pack_inputs."""
+    from slora_jax.engine import EngineOptions
+    assert EngineOptions().stable_buffers is (jax.default_backend() == "gpu")
+    assert EngineOptions(compile_per_layer=True).stable_buffers is False
+    for other in (dict(compile_per_layer=True), dict(pack_inputs=True)):
+        with pytest.raises(ValueError, match="stable_buffers is for the whole-model jit"):
+            EngineOptions(stable_buffers=True, **other)
+
+
 def test_adapter_regions_that_leave_no_kv_are_refused(paths):
     with pytest.raises(ValueError, match="leave no KV page"):
         make_llm(paths, (), page_size=16, pool_pages=10, adapter_memory="separate", adapter_region_pages=9)
@@ -1114,14 +1124,17 @@ def test_overlapped_steps_abort_in_flight(paths, ref):
     assert_drained(engine)
 
 
-@pytest.mark.parametrize("mixed,packed", [(False, False), (True, False), (False, True)],
-                         ids=["split_steps", "mixed_steps", "packed_inputs_pallas"])
-def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, packed):
+@pytest.mark.parametrize("mixed,packed,stable", [(False, False, False), (True, False, False), (False, True, False),
+                                                 (True, True, True)],
+                         ids=["split_steps", "mixed_steps", "packed_inputs_pallas", "stable_buffers_pallas"])
+def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, packed, stable):
     """Random lengths, max_tokens from 1, stop tokens, greedy and seeded rows, four adapters and the
     base model, in a pool so tight that it preempts requests and evicts adapters: the overlapped
     loop gives the plain loop's tokens, finish reasons and logprobs. packed: the overlapped engine
     puts each step's inputs on the device in one copy (pack_inputs), both on the Pallas kernels
-    (whose schedules are inputs too)."""
+    (whose schedules are inputs too). stable: through paged.StepBuffers instead (inputs packed and
+    refilled in place, K/V and results in persistent buffers), whose device buffers keep their
+    addresses through the whole run."""
     rng = np.random.default_rng(11)
     n = 12
     prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, int(rng.integers(1, 12)))] for _ in range(n)]
@@ -1141,8 +1154,25 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, p
     params = [sampling(i, [first[i].token_ids[2]]) if i % 3 == 0 and len(first[i].token_ids) > 3 else sampling(i)
               for i in range(n)]
     plain = reference.generate(prompts, params, adapter=names)
-    engine = make_llm(paths, overlap_steps=True, pack_inputs=packed, **options)
-    if packed:
+    engine = make_llm(paths, overlap_steps=True, **options, **(dict(stable_buffers=True) if stable else
+                                                              dict(pack_inputs=packed)))
+    if stable:
+        b = engine.engine._buffers
+
+        def addresses():
+            return ([a.unsafe_buffer_pointer() for kv in b.kv_out for a in kv], b.results.unsafe_buffer_pointer(),
+                    {n: h.unsafe_buffer_pointer() for n, h in b.held.items()})
+        engine.generate(prompts[:2], params[:2], adapter=names[:2])  # a held buffer of each size seen so far
+        before, generated = addresses(), engine.stats()["tokens_generated"]
+        steps = []
+        real = paged.step_packed
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(paged, "step_packed", lambda *a, **k: steps.append(1) or real(*a, **k))
+            outs = engine.generate(prompts, params, adapter=names)
+        after = addresses()
+        assert len(steps) >= n and after[:2] == before[:2]
+        assert all(after[2][size] == ptr for size, ptr in before[2].items()) and len(after[2]) > len(before[2])
+    elif packed:
         calls = []
         real = paged.device_inputs
         with pytest.MonkeyPatch.context() as mp:
@@ -1157,7 +1187,7 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, p
     for o, p in zip(outs, plain):
         np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-5, rtol=0)
     st = engine.stats()
-    assert st["tokens_generated"] == sum(len(o.token_ids) for o in plain)
+    assert st["tokens_generated"] - (generated if stable else 0) == sum(len(o.token_ids) for o in plain)
     assert st["preempted"] > 0 and st["evictions"] > 0, st  # pages reused under a step in flight
     assert_drained(engine)
 
