@@ -74,7 +74,7 @@ case $group in
       --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
       --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
       --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
     ;;
   host)
     # Issue 7: what S2's unified steps spend beyond the base model's. 1-2: capacity pair;
@@ -94,7 +94,7 @@ case $group in
       --variant "S2-base-R40-delay4:--mode base ${short[*]} --engine prefill_delay_factor=4" \
       --variant "S2-unified-n1000-R40-prefill-xla:${short[*]} --engine prefill_lora_backend=xla" \
       --variant "S2-unified-n1000-R40-async-copy:${short[*]} --engine async_results_copy=true" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"
     ;;
   prefetch)
     # Issue 5: how much of the cold-adapter cost a prefetch hides (bench/prefetch_report.py reads
@@ -123,7 +123,7 @@ case $group in
       --variant "S2-n1000-f16-prefetch-on-R$r-disk-w4:--rate $r --engine host_cache_size=8 --engine stage_workers=4" \
       --variant "S2-n1000-f16-prefetch-on-R$r2-disk:--rate $r2 --engine host_cache_size=8" \
       --variant "S2-n1000-f16-prefetch-off-R$r2-disk:--rate $r2 --engine prefetch_adapters=0 --engine host_cache_size=8" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
     python3 bench/prefetch_report.py "$RES" --out "$RES/prefetch_report.json" | tee -a "$RES/variants-prefetch.log"
     ;;
   s4)
@@ -135,7 +135,7 @@ case $group in
       --variant "S4-unified-n400-R6" \
       --variant "S4-separate-n400-R6:--mode separate --adapter-region-pages ${S4_REGION_PAGES:-1024}" \
       --variant "S4-base-R6:--mode base --no-requests" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s4.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s4.log"
     ;;
   s1)
     # S1 (rank 8) at n = 2000: the offered rate up to where SLO attainment falls below 0.9 (target:
@@ -152,7 +152,7 @@ case $group in
       --variant "S1-unified-n2000-R15:--rate 15" \
       --variant "S1-base-R25:--mode base --rate 25" \
       --variant "S1-unified-n2000-R35:--rate 35" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
     ;;
   capacity)
     # The S2 capacity pair alone (unified, base), its variant names tagged with TAG: for a pair
@@ -162,7 +162,7 @@ case $group in
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "S2-unified-n1000-R40${TAG:-}:${short[*]}" \
       --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-capacity${TAG:-}.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-capacity${TAG:-}.log"
     ;;
   trace)
     # The S2 capacity pair with a device trace of 40 serving steps from 15 s on (~12 of them
@@ -176,7 +176,7 @@ case $group in
     "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
       --variant "S2-unified-n1000-R40-traced${TAG:-}:${short[*]}" \
       --variant "S2-base-R40-traced${TAG:-}:--mode base ${short[*]}" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-trace${TAG:-}.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-trace${TAG:-}.log"
     ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
@@ -189,7 +189,7 @@ case $group in
       --variant "S2-unified-n1000-R40:${short[*]}" \
       --variant "S2-base-R40:--mode base ${short[*]}" \
       --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'" \
-      2>&1 | grep -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-blocks.log"
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-blocks.log"
     ;;
   *) echo "unknown group $group (s1, s2, s4, prefetch, host, blocks)"; exit 2 ;;
 esac

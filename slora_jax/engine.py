@@ -695,8 +695,9 @@ class Engine:
             elif self._buffers is not None:
                 buf, device, spec = paged.pack_inputs(inp)
                 b = self._buffers
-                paged.forward_sample_packed.lower(self.params, self.kv, np.append(buf, np.int32(0)), device,
-                                                  b.kv_out, b.results, cfg=self.cfg, spec=spec).compile()
+                held = jax.device_put(np.append(buf, np.int32(0)), b.results.sharding)  # committed, as in steps
+                paged.forward_sample_packed.lower(self.params, self.kv, held, device, b.kv_out, b.results,
+                                                  cfg=self.cfg, spec=spec).compile()
             else:
                 paged.forward_sample.lower(self.params, self.kv, inp, cfg=self.cfg).compile()
             kind = "decode" if inp.decode else "prefill"

@@ -530,30 +530,41 @@ def unpack_inputs(buf, device: list, spec: PackSpec) -> StepInputs:
 
 @dataclasses.dataclass
 class StepBuffers:
-    """The step's persistent device buffers: kv_out, [(k, v)] a layer of `rows` tokens (the most a
-    step has), donated to every step, which writes its new K/V into the first T rows (commit reads
-    those); `held`: the packed inputs' buffer by size, refilled in place every step."""
+    """The step's persistent device buffers, all passed to every step at the same addresses:
+    - kv_out: [(k, v)] a layer of `rows` tokens (the most a step has), donated to every step,
+      which writes its new K/V into the first T rows (the commit reads those);
+    - held: the packed inputs' buffer by size, refilled in place every step; its last element is
+      the step's results slot;
+    - results: [2, R, 2], donated: step n writes its (token, logprob) rows into slot n % 2 and
+      reads the previous step's (overlapped steps' fed tokens) from the other; the host gets a
+      copy of its slot from a small jit of its own (copy_results)."""
     kv_out: list
+    results: jax.Array
     held: dict = dataclasses.field(default_factory=dict)
+    slot: int = 0
 
     @classmethod
-    def create(cls, cfg: ModelConfig, rows: int, dtype, sharding) -> "StepBuffers":
+    def create(cls, cfg: ModelConfig, rows: int, result_rows: int, dtype, sharding) -> "StepBuffers":
         shape = (rows, cfg.num_key_value_heads, cfg.head_dim)
-        zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                                 for _ in range(cfg.num_hidden_layers)], out_shardings=sharding)
-        return cls(zeros())
+        zeros = jax.jit(lambda: ([(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                                  for _ in range(cfg.num_hidden_layers)],
+                                 jnp.zeros((2, result_rows, 2), jnp.float32)), out_shardings=sharding)
+        return cls(*zeros())
 
     def stage(self, inp: StepInputs) -> tuple[jax.Array, list, PackSpec]:
-        """inp packed, its buffer copied into the persistent one of that size: (that buffer, inp's
-        device arrays, PackSpec), the arguments of step_packed."""
+        """inp packed (with the next results slot), its buffer copied into the persistent one of
+        that size: (that buffer, inp's device arrays, PackSpec), the arguments of step_packed."""
+        self.slot ^= 1
         buf, device, spec = pack_inputs(inp)
+        buf = np.append(buf, np.int32(self.slot))
         held = self.held.get(buf.size)
-        held = jax.device_put(buf, self.kv_out[0][0].sharding) if held is None else refill(held, buf)
-        self.held[buf.size] = held
+        if held is None:  # a new size (warm-up meets them all): its refill compiles here, not in serving
+            held = jax.device_put(np.zeros_like(buf), self.results.sharding)
+        self.held[buf.size] = held = refill(held, buf)
         return held, device, spec
 
     def bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_out)
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_out) + self.results.nbytes
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -564,17 +575,37 @@ def refill(held, fresh):
 
 
 def step_packed(params, pool, staged: tuple, buffers: StepBuffers, *, cfg: ModelConfig):
-    """paged.step on StepBuffers.stage's output: (pool, results); buffers.kv_out is replaced by the
-    step's (the same buffers, donated and returned)."""
+    """paged.step on StepBuffers.stage's output: (pool, results, the same as paged.step's);
+    buffers' kv_out and results are replaced by the step's (the same buffers, donated and
+    returned)."""
     buf, device, spec = staged
-    kv_out, results = forward_sample_packed(params, pool, buf, device, buffers.kv_out, cfg=cfg, spec=spec)
-    buffers.kv_out = kv_out
-    return commit_kv_packed(pool, kv_out, buf, spec=spec), results
+    buffers.kv_out, buffers.results = forward_sample_packed(params, pool, buf, device, buffers.kv_out,
+                                                            buffers.results, cfg=cfg, spec=spec)
+    pool = commit_kv_packed(pool, buffers.kv_out, buf, spec=spec)
+    return pool, copy_results(buffers.results, np.int32(buffers.slot), rows=result_rows(spec, buffers.results))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=4)
-def forward_sample_packed(params, pool, buf, device, kv_out, *, cfg: ModelConfig, spec: PackSpec):
-    return _forward_into(params, pool, unpack_inputs(buf, device, spec), kv_out, cfg)
+def result_rows(spec: PackSpec, results) -> int:
+    """Rows of a step's results: R when the step feeds tokens from the previous one's (overlapped
+    steps pad theirs to R), else one a sequence."""
+    inp = jax.tree_util.tree_unflatten(spec.treedef, [m[1] for m in spec.leaves])  # shapes, device indices
+    return results.shape[1] if inp.prev_results is not None else inp.sample_idx[0]
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def copy_results(results, slot, *, rows: int):
+    """The host's copy of one slot's rows (a fresh array outside the step's graph)."""
+    return jax.lax.dynamic_index_in_dim(results, slot, keepdims=False)[:rows]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(4, 5))
+def forward_sample_packed(params, pool, buf, device, kv_out, results, *, cfg: ModelConfig, spec: PackSpec):
+    inp = unpack_inputs(buf, device, spec)
+    slot = buf[-1]
+    if inp.prev_results is not None:  # the previous step's results: the other slot
+        inp = inp.replace(prev_results=results[1 - slot])
+    kv_out, rows = _forward_into(params, pool, inp, kv_out, cfg)
+    return kv_out, jax.lax.dynamic_update_slice(results, rows[None].astype(results.dtype), (slot, 0, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=0)

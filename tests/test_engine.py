@@ -728,13 +728,15 @@ def test_adapter_regions_that_leave_no_kv_are_refused(paths):
                  adapter_memory="padded_slots", adapter_slots=4)  # 4 * 18 pages > 63
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain_steps", "overlapped_steps"])
-def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap):
+@pytest.mark.parametrize("overlap,stable", [(False, False), (True, False), (True, True)],
+                         ids=["plain_steps", "overlapped_steps", "stable_buffers"])
+def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap, stable):
     """After warmup, a base-model request of any length up to max_context meets no new step shape
-    and no backend compile, and the null-page steps it ran leave outputs as the shared engine's."""
+    and no backend compile, and the null-page steps it ran leave outputs as the shared engine's
+    (stable: steps through paged.StepBuffers, whose warm-up compiles the packed step)."""
     from jax import monitoring
     eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_prefill_tokens=32,
-                   overlap_steps=overlap)
+                   overlap_steps=overlap, stable_buffers=stable)
     n = eng.warmup(max_context=32, progress=False)
     compiles = []
     monitoring.register_event_duration_secs_listener(
