@@ -98,11 +98,15 @@ class EngineOptions(SchedulerOptions):
     # inputs packed into one buffer and copied into a persistent one in place, the new K/V
     # written into one persistent donated buffer, the sampled rows into a persistent two-slot
     # buffer. XLA runs the step as CUDA graphs and updates every graph node whose buffers moved
-    # since the last launch; with fresh inputs and outputs every step that cost the host ~3 ms a
-    # call on the H200 (bench/dispatch_probe.py). Costs the K/V buffer (max step tokens x layers
-    # x 2 x kv width: 2 GiB for llama-7b at 4096 prefill tokens), taken before the pool is sized.
-    # None: on for a GPU with the whole-model jit, off otherwise (no command buffers to spare).
-    stable_buffers: bool | None = None
+    # since the last launch. H200, S2's decode step (B 172 x 156 adapters) and a 2 x 256 prefill in
+    # a decode/prefill pattern (bench/dispatch_probe.py, bench/results/20261201-a5ce83a): the
+    # unified step's host time a call 5.8-7.7 -> 2.5-4.4 ms, the base model's 3.0-3.1 -> 3.1-4.6
+    # (two more small executables a step). In S2 serving the unified dispatch fell less (decode
+    # after decode 6.5 -> 6.2 ms, prefill after prefill 10.5 -> 9.2) and throughput did not move
+    # (20.39 req/s against 20.71 unbuffered, two calls; 20261201-84a4cae): the loop is device
+    # bound there. Off until a run shows a gain. Costs the K/V buffer (max step tokens x layers x
+    # 2 x kv width: 2 GiB for llama-7b at 4096 prefill tokens), taken before the pool is sized.
+    stable_buffers: bool = False
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -158,8 +162,6 @@ class EngineOptions(SchedulerOptions):
             raise ValueError(f"layers_per_call must be >= 1, got {self.layers_per_call}")
         if self.overlap_steps is None:
             self.overlap_steps = jax.default_backend() != "cpu"
-        if self.stable_buffers is None:
-            self.stable_buffers = jax.default_backend() == "gpu" and not (self.compile_per_layer or self.pack_inputs)
         if self.stable_buffers and (self.compile_per_layer or self.pack_inputs):
             raise ValueError("stable_buffers is for the whole-model jit and packs the inputs itself: set "
                              "stable_buffers=False with compile_per_layer or pack_inputs")

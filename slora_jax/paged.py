@@ -482,10 +482,11 @@ def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0)
 # the last launch. A step's fresh inputs (~40 new arrays every step) and its new K/V (64 fresh
 # outputs on llama-7b) move every time, and the node updates cost the host milliseconds a step
 # (bench/dispatch_probe.py, H200, S2's decode step: ~2.9 ms of command-buffer update a call; ~780
-# of ~875 commands updated). So the engine packs each step's host-built inputs into one buffer,
-# copies it into a persistent device buffer of its size (one transfer, one small in-place copy),
-# and the step unpacks its inputs from there and writes its new K/V into one persistent donated
-# buffer: the big graph sees the same addresses every step.
+# of ~875 commands updated). With EngineOptions.stable_buffers the engine packs each step's
+# host-built inputs into one buffer, copies it into a persistent device buffer of its size (one
+# transfer, one small in-place copy), and the step unpacks its inputs from there and writes its
+# new K/V and sampled rows into persistent donated buffers: the big graph sees the same addresses
+# every step (one command-buffer walk of ~1 ms remains, for the previous step's results).
 
 
 @dataclasses.dataclass(frozen=True)
