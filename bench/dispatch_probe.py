@@ -158,7 +158,8 @@ def main() -> None:
             _, pre = prefill_batch(llm, n_pre, len_pre, adapters[:n_pre])
             made[variant] = {"D": jax.tree.map(np.asarray, dec), "P": jax.tree.map(np.asarray, pre)}
         steps = made[variant]
-        buffers = paged.StepBuffers.create(llm.cfg, rows, eng.dtype, eng.kv[0].sharding) if mode == "buffers" else None
+        buffers = paged.StepBuffers.create(llm.cfg, rows, eng._result_rows, eng.dtype, eng.kv[0].sharding) \
+            if mode == "buffers" else None
         first, bad = {}, collections.Counter()
         t0 = time.perf_counter()
         run_pattern(llm, steps, "DDPP", first, bad, buffers)  # compile both and warm up
