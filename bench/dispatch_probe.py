@@ -41,10 +41,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.device_trace import trace_events  # noqa: E402
-from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
+from bench.engine_bench import (decode_batch, prefill_batch, randomize_pool, register_mixed_ranks,  # noqa: E402
+                                set_backends)
 from bench.provenance import git_commit  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
-from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
 
 def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Counter,
@@ -135,14 +135,7 @@ def main() -> None:
     set_backends(llm, "hybrid/pallas/grouped")
     tmp = Path(tempfile.mkdtemp(prefix="slora-probe-"))
     atexit.register(shutil.rmtree, tmp, True)
-    files, names = {}, []
-    for i in range(args.adapters):
-        rank, f = ranks[i % len(ranks)], (i // len(ranks)) % 4
-        if (rank, f) not in files:
-            files[rank, f] = random_peft_adapter(tmp / f"r{rank}-{f}", llm.cfg, rank=rank, std=0.02,
-                                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=len(files))
-        llm.load_adapter(f"lora-{i}", files[rank, f])
-        names.append(f"lora-{i}")
+    names = register_mixed_ranks(llm, args.adapters, ranks, tmp)
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "pattern": args.pattern, "reps": args.reps, "variants": {}}

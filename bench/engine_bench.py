@@ -100,6 +100,23 @@ def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
 _ANALYZED: set = set()  # decode steps (with adapters or not) whose memory analysis was printed
 
 
+def register_mixed_ranks(llm: LLM, count: int, ranks: list[int], root: Path, distinct_files: int = 4) -> list[str]:
+    """Register adapters lora-0 .. lora-{count-1} on q, k, v and o: adapter i has rank
+    ranks[i % len] and its weights from one of `distinct_files` random files of that rank, written
+    under root. Every name has pages of its own in the pool (the store keys pages by name), so the
+    kernels read each adapter's rows separately whatever file they came from; fewer files than
+    names saves writing GBs of adapters. Returns the names."""
+    files, names = {}, []
+    for i in range(count):
+        rank, f = ranks[i % len(ranks)], (i // len(ranks)) % distinct_files
+        if (rank, f) not in files:
+            files[rank, f] = random_peft_adapter(root / f"r{rank}-{f}", llm.cfg, rank=rank, std=0.02,
+                                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=len(files))
+        llm.load_adapter(f"lora-{i}", files[rank, f])
+        names.append(f"lora-{i}")
+    return names
+
+
 def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tuple[list, object]:
     """`batch` requests of `context` tokens (random KV) admitted into the pool, in the engine's
     adapter-grouped order, and the device inputs of their decode step. Release the requests with

@@ -33,11 +33,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.device_trace import busy_span, trace_events, traced  # noqa: E402
-from bench.engine_bench import decode_batch, prefill_batch, randomize_pool, set_backends  # noqa: E402
+from bench.engine_bench import (decode_batch, prefill_batch, randomize_pool, register_mixed_ranks,  # noqa: E402
+                                set_backends)
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
-from slora_jax.adapters import random_peft_adapter  # noqa: E402
 
 KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
     ("lora kernel", ("shrink", "expand", "lora_fused")),
@@ -283,17 +283,7 @@ def main() -> None:
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
-    # Adapter i has rank ranks[i % len] and its weights from one of --distinct-files files of that
-    # rank; every name has pages of its own in the pool (the store keys pages by name), so the
-    # kernels read each adapter's rows separately whatever file they came from.
-    names, files = [], {}
-    for i in range(max(counts)):
-        rank, f = ranks[i % len(ranks)], (i // len(ranks)) % args.distinct_files
-        if (rank, f) not in files:
-            files[rank, f] = random_peft_adapter(tmp / f"r{rank}-{f}", llm.cfg, rank=rank, std=0.02,
-                                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=len(files))
-        llm.load_adapter(f"lora-{i}", files[rank, f])
-        names.append(f"lora-{i}")
+    names = register_mixed_ranks(llm, max(counts), ranks, tmp, args.distinct_files)
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
               "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
