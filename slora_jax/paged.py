@@ -439,30 +439,20 @@ def compile_layer_steps(params, pool, inp: StepInputs, *, cfg: ModelConfig, laye
 
 def device_inputs(inp: StepInputs, sharding) -> StepInputs:
     """The step's host-built arrays (numpy, 4-byte dtypes) on the device in one host-to-device
-    copy: packed into one int32 buffer, put, and split by a small jit (EngineOptions.pack_inputs),
-    instead of one copy per array inside the step's call (~40 with adapters). Other leaves (the
-    previous step's results, already on the device) pass through."""
-    leaves, treedef = jax.tree_util.tree_flatten(inp)
-    host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray) and x.dtype.itemsize == 4]
-    if not host:
+    copy: packed into one int32 buffer (pack_inputs), put, and split by a small jit
+    (EngineOptions.pack_inputs), instead of one copy per array inside the step's call (~40 with
+    adapters). Other leaves (the previous step's results, already on the device) pass through."""
+    buf, device, spec = pack_inputs(inp)
+    if not buf.size:
         return inp
-    buf = np.concatenate([np.ascontiguousarray(leaves[i]).reshape(-1).view(np.int32) for i in host])
-    meta = tuple((leaves[i].shape, leaves[i].dtype.str) for i in host)
-    out = list(leaves)
-    for i, x in zip(host, _unpack(jax.device_put(buf, sharding), meta)):
-        out[i] = x
-    return jax.tree_util.tree_unflatten(treedef, out)
+    host, device = iter(_host_leaves(jax.device_put(buf, sharding), spec=spec)), iter(device)
+    return jax.tree_util.tree_unflatten(spec.treedef, [next(host) if m[0] == "h" else next(device)
+                                                       for m in spec.leaves])
 
 
-@functools.partial(jax.jit, static_argnames=("meta",))
-def _unpack(buf, meta):
-    out, at = [], 0
-    for shape, dtype in meta:
-        n = int(np.prod(shape, dtype=np.int64))
-        x = buf[at:at + n].reshape(shape)
-        out.append(x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype)))
-        at += n
-    return out
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _host_leaves(buf, *, spec):
+    return [_host_leaf(buf, m) for m in spec.leaves if m[0] == "h"]
 
 
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):
@@ -518,16 +508,16 @@ def pack_inputs(inp: StepInputs) -> tuple[np.ndarray, list, PackSpec]:
 
 def unpack_inputs(buf, device: list, spec: PackSpec) -> StepInputs:
     """pack_inputs undone, inside a jit: static slices of buf (no copies once fused)."""
-    out = []
-    for m in spec.leaves:
-        if m[0] == "d":
-            out.append(device[m[1]])
-            continue
-        _, shape, dtype, at = m
-        n = int(np.prod(shape, dtype=np.int64))
-        x = buf[at:at + n].reshape(shape)
-        out.append(x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype)))
-    return jax.tree_util.tree_unflatten(spec.treedef, out)
+    return jax.tree_util.tree_unflatten(spec.treedef, [device[m[1]] if m[0] == "d" else _host_leaf(buf, m)
+                                                       for m in spec.leaves])
+
+
+def _host_leaf(buf, m):
+    """One host array of a packed buffer, by its PackSpec entry ("h", shape, dtype, offset)."""
+    _, shape, dtype, at = m
+    n = int(np.prod(shape, dtype=np.int64))
+    x = buf[at:at + n].reshape(shape)
+    return x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype))
 
 
 @dataclasses.dataclass
@@ -564,9 +554,6 @@ class StepBuffers:
             held = jax.device_put(np.zeros_like(buf), self.results.sharding)
         self.held[buf.size] = held = refill(held, buf)
         return held, device, spec
-
-    def bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_out) + self.results.nbytes
 
 
 @functools.partial(jax.jit, donate_argnums=0)
