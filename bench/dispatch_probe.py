@@ -47,6 +47,17 @@ from bench.provenance import git_commit  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
 
 
+def one_step(llm, inp, buffers=None):
+    """Dispatch one step as the engine does (paged.step, or paged.step_packed through `buffers`):
+    its results, still on the device."""
+    eng = llm.engine
+    if buffers is None:
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
+    else:
+        eng.kv, res = paged.step_packed(llm.params, eng.kv, buffers.stage(inp), buffers, cfg=llm.cfg)
+    return res
+
+
 def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Counter,
                 buffers=None) -> list[tuple[str, float]]:
     """Dispatch steps[c] for each c of pattern, one step in flight (dispatch the next, then wait
@@ -54,7 +65,7 @@ def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Co
     token and logprob a row) must equal the first results of its kind (`first`, filled on first
     sight): the same inputs every time, so a command buffer replayed with stale addresses shows
     as a mismatch, counted in `bad` by kind."""
-    eng, prev, last, out = llm.engine, None, "-", []
+    prev, last, out = None, "-", []
 
     def check(c, res):
         got = np.asarray(res)
@@ -64,10 +75,7 @@ def run_pattern(llm, steps: dict, pattern: str, first: dict, bad: collections.Co
             bad[c] += 1
     for c in pattern:
         t = time.perf_counter()
-        if buffers is None:
-            eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
-        else:
-            eng.kv, res = paged.step_packed(llm.params, eng.kv, buffers.stage(steps[c]), buffers, cfg=llm.cfg)
+        res = one_step(llm, steps[c], buffers)
         out.append((f"{last}>{c}", time.perf_counter() - t))
         if prev is not None:
             check(last, prev)
@@ -162,14 +170,10 @@ def main() -> None:
         wall = time.perf_counter() - t0
         trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            eng, prev = llm.engine, None
+            prev = None
             for c in args.pattern * args.traced_reps:
                 with jax.profiler.TraceAnnotation("probe.call"):
-                    if buffers is None:
-                        eng.kv, res = paged.step(llm.params, eng.kv, steps[c], cfg=llm.cfg)
-                    else:
-                        eng.kv, res = paged.step_packed(llm.params, eng.kv, buffers.stage(steps[c]), buffers,
-                                                        cfg=llm.cfg)
+                    res = one_step(llm, steps[c], buffers)
                 if prev is not None:
                     prev.block_until_ready()
                 prev = res

@@ -366,11 +366,15 @@ def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
     return jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
 
 
+def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig):
+    h, new_kv = _forward(params, pool, inp, cfg)
+    return new_kv, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """Everything that reads the pool: the forward pass and the sampler."""
-    h, new_kv = _forward(params, pool, inp, cfg)
-    return new_kv, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
+    return _forward_sample(params, pool, inp, cfg)
 
 
 # The same forward pass as one small jit per layer kind instead of one jit over the unrolled
@@ -606,11 +610,11 @@ def commit_kv_packed(pool, new_kv, buf, *, spec: PackSpec):
 def _forward_into(params, pool, inp: StepInputs, kv_out, cfg: ModelConfig):
     """forward_sample with the new K/V written into the first T rows of kv_out (donated by the
     caller's jit, so the step's outputs keep their addresses from step to step)."""
-    h, new_kv = _forward(params, pool, inp, cfg)
+    new_kv, results = _forward_sample(params, pool, inp, cfg)
     kv_out = [(jax.lax.dynamic_update_slice(ko, k.astype(ko.dtype), (0, 0, 0)),
                jax.lax.dynamic_update_slice(vo, v.astype(vo.dtype), (0, 0, 0)))
               for (ko, vo), (k, v) in zip(kv_out, new_kv)]
-    return kv_out, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
+    return kv_out, results
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
