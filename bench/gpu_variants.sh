@@ -8,6 +8,7 @@
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh host   # issue 7: host time in the unified step
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh trace  # issue 7: a device trace of S2 serving steps, unified and base
 #   SLORA_COMMIT=<sha> BLOCKS_B='<json>' bash bench/gpu_variants.sh blocks  # LoRA kernel settings, same run
+#   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh nsweep # issue 7: S2 capacity over n = 1 ... 2000 and the base model
 #
 # Results: $RESULTS_DIR, else bench/results/<date>-<commit>/ (the folder gpu_suite.sh uses), copied
 # to $OUT after the call. BUDGET_S (default 540): no variant starts that would not end in time.
@@ -20,7 +21,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|blocks}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|nsweep|blocks}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -178,6 +179,22 @@ case $group in
       --variant "S2-base-R40-traced${TAG:-}:--mode base ${short[*]}" \
       2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-trace${TAG:-}.log"
     ;;
+  nsweep)
+    # Issue 7's sweep over n at a saturating rate: S2's capacity with n = 1 ... 2000 adapters and the
+    # base model alone, one process (one compile). Throughput against n, each ratio to the base model
+    # from the same call; bench/plots.py draws throughput_vs_n.png with the base model as a line.
+    # ~55 s a variant after ~150 s of load and compile.
+    short=(--warmup-s 5 --no-requests --rate 40)
+    "${RUN[@]}" --workload "S2$WL" --n 2000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+      --variant "S2-unified-n1000-R40${TAG:-}:--n 1000 ${short[*]}" \
+      --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
+      --variant "S2-unified-n1-R40${TAG:-}:--n 1 ${short[*]}" \
+      --variant "S2-unified-n10-R40${TAG:-}:--n 10 ${short[*]}" \
+      --variant "S2-unified-n100-R40${TAG:-}:--n 100 ${short[*]}" \
+      --variant "S2-unified-n2000-R40${TAG:-}:--n 2000 ${short[*]}" \
+      --variant "S2-unified-n5-R40${TAG:-}:--n 5 ${short[*]}" \
+      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-nsweep${TAG:-}.log"
+    ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
     # then BLOCKS_B (JSON merged into pallas_kernels.lora.BLOCKS for that variant alone, run.py
@@ -191,7 +208,7 @@ case $group in
       --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'" \
       2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-blocks.log"
     ;;
-  *) echo "unknown group $group (s1, s2, s4, prefetch, host, blocks)"; exit 2 ;;
+  *) echo "unknown group $group (s1, s2, s4, prefetch, host, capacity, trace, nsweep, blocks)"; exit 2 ;;
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \

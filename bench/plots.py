@@ -73,6 +73,24 @@ def sweeps(runs: list[dict], free: str) -> dict[tuple, list[dict]]:
             if len({r["workload"][free] for r in v}) > 1}
 
 
+def references(runs: list[dict], groups: dict[tuple, list[dict]], free: str, metric: str) -> list[tuple]:
+    """(label, value) of the base-model runs beside a sweep over n: the base model has no n, so it
+    is one run of the same workload, commit, rate, alpha and cv as the swept unified runs."""
+    if free != "n":
+        return []
+    wanted = {(k[0], k[2], str(rs[0].get("commit"))[:7], *k[4:]) for k, rs in groups.items() if k[1] == "unified"}
+    out = []
+    for r in runs:
+        if r.get("kind") != "trace" or r.get("mode") != "base" or "metrics" not in r:
+            continue
+        w = r["workload"]
+        key = (w["name"], w["model"], str(r.get("commit"))[:7], *(w[k] for k in SWEPT if k != "n"))
+        if key in wanted:
+            rest = " ".join(f"{k}={w[k]}" for k in SWEPT if k != "n")
+            out.append((f"{w['name']} base model {rest} [{str(r.get('commit'))[:7]}]", r["metrics"][metric]))
+    return out
+
+
 def _plt():
     import matplotlib
     matplotlib.use("Agg")
@@ -102,6 +120,8 @@ def plot_sweep(runs, free: str, metric: str, ylabel: str, path: Path, logx=False
                 label=_label(key, free))
     if hline is not None:
         ax.axhline(hline, color="gray", ls="--", lw=1)
+    for (label, value), color in zip(references(runs, groups, free, metric), ("k", "gray", "brown", "olive")):
+        ax.axhline(value, color=color, ls=":", lw=1.2, label=label)
     if logx:
         _log_x(ax)
     ax.set_xlabel({"n": "adapters (n)", "rate": "offered rate R (req/s)"}.get(free, free))

@@ -288,7 +288,14 @@ def test_plots_from_run_jsons(s1_cpu, tmp_path):
     d = json.loads(json.dumps(base))
     d["mode"] = "base"
     (tmp_path / "base.json").write_text(json.dumps(d))
+    d["workload"]["rate"], d["metrics"]["throughput_req_s"] = 99.0, 7.0  # a base run no sweep matches
+    (tmp_path / "base-other-rate.json").write_text(json.dumps(d))
     (tmp_path / "s1.json").write_text(out.read_text())
+    runs = plots.load([str(tmp_path)])
+    # the base model is drawn beside the n sweep at its own rate, and only there
+    refs = plots.references(runs, plots.sweeps(runs, "n"), "n", "throughput_req_s")
+    assert [v for _, v in refs] == [base["metrics"]["throughput_req_s"]], refs
+    assert plots.references(runs, plots.sweeps(runs, "rate"), "rate", "slo_attainment") == []
     written = {p.name for p in plots.main([str(tmp_path)])}
     assert {"throughput_vs_n.png", "slo_vs_rate.png", "ttft_cdf_S1-cpu.png", "summary.md"} <= written
     text = (tmp_path / "summary.md").read_text()
