@@ -45,7 +45,8 @@ def default_backends() -> tuple[str, str, str]:
     GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
     kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
     "pallas". For decode LoRA the winner depends on how many distinct adapters a step holds, so it
-    is "hybrid" (one-hot up to lora_hybrid_slots = 32, the kernel above). With up to 32 adapters the
+    is "hybrid" (one-hot up to lora_hybrid_slots, the kernel above: see hybrid_slots, which
+    session 22 lowered to 8 at max rank 64 from the 32 set here). With up to 32 adapters the
     engine's decode step paid less with the one-hot path (+1.0-1.7 ms against +3.2-6.1 ms at batch
     1-64; +3.8 vs +4.5 ms at 256 with 32 rank-32 adapters, session 4). The kernel micro-benchmark
     (same run, mixed ranks 8-64, one module of each llama-7b shape) puts the crossover there: at 8
@@ -63,6 +64,21 @@ def default_backends() -> tuple[str, str, str]:
     return "xla", "xla", "xla"
 
 
+def hybrid_slots(max_lora_rank: int) -> int:
+    """The most distinct adapters a "hybrid" decode step keeps on the one-hot path: while slots x
+    max_lora_rank <= 512 (a power of two, 8 to 32). The one-hot path gathers and multiplies every
+    slot at max_lora_rank, so its cost follows slots x max rank; the kernel's hardly moves with
+    the adapters. H200, llama-7b decode step at context 430, max rank 64, device ms a step
+    (bench/results/20261201-0e4a079/call2-*, call3-*): B 172, 8 adapters one-hot 20.94 / kernel
+    21.36, 16: 21.80 / 21.42, 32: 24.27 / 21.60; B 32, 8: 8.75 / 8.74, 16: 9.41 / 8.80, 32:
+    10.80 / 9.05. At max rank 16 one-hot still won at 32 slots (session 4, when the kernels were
+    slower); nothing above 32 was measured, so 32 is the cap."""
+    slots = 8
+    while slots < 32 and 2 * slots * max_lora_rank <= 512:
+        slots *= 2
+    return slots
+
+
 @dataclasses.dataclass
 class EngineOptions(SchedulerOptions):
     """Scheduling options (max_num_seqs, admission_order, ttft_slo, prefetch_adapters, ...) are
@@ -78,7 +94,8 @@ class EngineOptions(SchedulerOptions):
     # lora_backend="hybrid": a decode step with at most this many distinct adapters takes the
     # one-hot path (xla), one with more the Pallas kernel. One-hot work grows with slots x batch
     # and gathers every slot at max_lora_rank; the kernel reads each adapter at its real rank once.
-    lora_hybrid_slots: int = 32
+    # None: hybrid_slots(max_lora_rank), one-hot while slots x max_lora_rank <= 512, 8 to 32 slots.
+    lora_hybrid_slots: int | None = None
     # Tokens per block of the LoRA kernels in prefill steps (a power of two >= 16; decode steps use
     # 16). A block is the dot's M side and re-reads its adapter's A and B tiles. Larger blocks
     # lost on the H200 (S2 capacity, bench/results/20261130-bf56a12/serving-pbt): a unified
@@ -173,6 +190,8 @@ class EngineOptions(SchedulerOptions):
                              f"{self.attention_backend!r}")
         if self.prefill_lora_backend == "hybrid":  # the kernels skip empty slots: prefill needs no switch
             self.prefill_lora_backend = "pallas"
+        if self.lora_hybrid_slots is None:
+            self.lora_hybrid_slots = hybrid_slots(self.max_lora_rank)
         h = self.lora_hybrid_slots
         if isinstance(h, bool) or not isinstance(h, int) or h < 8 or h & (h - 1):
             raise ValueError(f"lora_hybrid_slots must be a power of two >= 8, got {h!r}")

@@ -847,6 +847,11 @@ def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
     with pytest.raises(ValueError, match="lora_hybrid_slots"):
         EngineOptions(lora_backend="hybrid", lora_hybrid_slots=12)
     assert EngineOptions(lora_backend="hybrid").prefill_lora_backend == "pallas"
+    # the default switch follows the one-hot path's slots x max rank: 8 slots at rank 64 (where the
+    # kernel won at 16 and 32 on the H200), 32 at rank 16 and below
+    assert [EngineOptions(lora_backend="hybrid", max_lora_rank=r).lora_hybrid_slots
+            for r in (8, 16, 32, 64, 128)] == [32, 32, 16, 8, 8]
+    assert EngineOptions(max_lora_rank=64, lora_hybrid_slots=32).lora_hybrid_slots == 32  # given: kept
     files = ["a", "b", "c"]
     names = [f"{files[i % 3]}{i}" for i in range(12)]
     engine = LLM("tiny", adapters={n: paths[n[0]] for n in names}, dtype="float32", page_size=16,
