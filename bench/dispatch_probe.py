@@ -116,6 +116,24 @@ def host_events(trace_dir: str, top: int) -> dict:
                        for k, v in rows]}
 
 
+def traced_pass(llm, steps, pattern: str, buffers, top: int) -> dict:
+    """The pattern's calls once more under the profiler, one step in flight: host_events of them."""
+    trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        prev = None
+        for c in pattern:
+            with jax.profiler.TraceAnnotation("probe.call"):
+                res = one_step(llm, steps[c], buffers)
+            if prev is not None:
+                prev.block_until_ready()
+            prev = res
+        prev.block_until_ready()
+    try:
+        return host_events(trace_dir, top)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-7b")
@@ -168,26 +186,18 @@ def main() -> None:
         t0 = time.perf_counter()
         calls = run_pattern(llm, steps, args.pattern * args.reps, first, bad, buffers)
         wall = time.perf_counter() - t0
-        trace_dir = tempfile.mkdtemp(prefix="slora-probe-trace-")
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            prev = None
-            for c in args.pattern * args.traced_reps:
-                with jax.profiler.TraceAnnotation("probe.call"):
-                    res = one_step(llm, steps[c], buffers)
-                if prev is not None:
-                    prev.block_until_ready()
-                prev = res
-            prev.block_until_ready()
-        try:
-            host = host_events(trace_dir, args.top)
-        finally:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+        host = traced_pass(llm, steps, args.pattern * args.traced_reps, buffers, args.top) if args.traced_reps else None
         v = {"compile_s": round(compile_s, 1), "wall_ms_a_step": round(wall * 1e3 / len(calls), 3),
              "host_ms_by_transition": by_transition(calls), "traced_host": host,
              "results_mismatched": dict(bad), "results_checked": len(calls) + 4}
         if variant in firsts:  # the same steps' results under the mode before (exactly equal expected)
+            other = firsts[variant][1]
             v["results_equal_to_" + firsts[variant][0]] = all(
-                np.array_equal(first[c], firsts[variant][1][c], equal_nan=True) for c in first)
+                np.array_equal(first[c], other[c], equal_nan=True) for c in first)
+            # where not: how many sampled tokens differ, and the largest logprob difference
+            v["results_diff_to_" + firsts[variant][0]] = {
+                c: {"tokens_differ": int(np.sum(first[c][:, 0] != other[c][:, 0])), "rows": int(first[c].shape[0]),
+                    "logprob_max_abs": float(np.max(np.abs(first[c][:, 1] - other[c][:, 1])))} for c in first}
         else:
             firsts[variant] = (mode, first)
         result["variants"][f"{variant}/{mode}"] = v
