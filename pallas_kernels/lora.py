@@ -133,7 +133,15 @@ BLOCKS = {
     # col 256 / rank 8 took that micro case 46.5 -> 33.5 us, but the S2 decode step's LoRA kernels
     # 5.05 -> 5.12 ms (bench/results/20261130-4d56af6/): the micro's counters do not carry over
     # to the engine step, so the expand stays a dot of 16 rows by default.
-    "mbgmv": dict(shrink=True, expand=False, col_tile=1024, expand_col_tile=None, expand_rank_tile=None),
+    # few_slots (None: off): block_t 1 reads an adapter's A once per token, so it only pays where
+    # adapters hold ~1 token each (S2 at n = 1000). A kernel decode step with at most few_slots
+    # distinct adapters in a batch bucket of at least 4 x few_slots rows takes a slot bucket of its
+    # own and shrinks in the dot form (block_t 16; `mbgmv_shrink`): one more step shape per batch
+    # bucket. H200, session 22 (bench/results/20261201-0e4a079/call2-*): at B 172 the q/k/v shrink
+    # at block_t 1 costs ~1.1 ms a step with 8 adapters as with 32 (21 and 5 tokens an adapter).
+    # Not yet timed on.
+    "mbgmv": dict(shrink=True, expand=False, col_tile=1024, expand_col_tile=None, expand_rank_tile=None,
+                  few_slots=None),
     # mgpu (off): a decode step's shrink (block_t 1) and its expands as the Mosaic GPU pair of
     # lora_mgpu.py, each program's pool rows gathered by TMA, where one A^T / B row is one pool row
     # (q, k, v, o of llama-7b at W 4096). decode: True / False, or None for "on Hopper and later
@@ -630,6 +638,19 @@ def decode_block_t(backend: str, kernel: str = "expand", width: int | None = Non
         if kernel == "expand" or width is None or _col_tile(width, features, cap) >= cap:
             return 1
     return BLOCK_T
+
+
+def few_slots_bucket(n: int, rows: int) -> int | None:
+    """BLOCKS["mbgmv"]["few_slots"] where a kernel decode step of n distinct adapters in a batch
+    bucket of `rows` takes that slot bucket (n <= few_slots, rows >= 4 x few_slots), else None."""
+    few = BLOCKS["mbgmv"].get("few_slots")
+    return few if few and n <= few and rows >= 4 * few else None
+
+
+def mbgmv_shrink(slots: int, rows: int) -> bool:
+    """Whether a kernel decode step of `slots` slots in a batch bucket of `rows` rows may shrink at
+    block_t 1: not where few_slots_bucket applies (its adapters hold many tokens each)."""
+    return few_slots_bucket(slots, rows) is None
 
 
 def fused_applies(t: int) -> bool:

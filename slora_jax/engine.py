@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import block_schedule, decode_block_t, fused_applies, fused_schedule, shrink_schedule
+from pallas_kernels.lora import (block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
+                                 mbgmv_shrink, shrink_schedule)
 from slora_jax import paged
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
@@ -654,7 +655,7 @@ class Engine:
             return self._lora_slots
         backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
         if decode and backend == "hybrid" and n > self.opts.lora_hybrid_slots:
-            return _pow2(rows)
+            return few_slots_bucket(n, _pow2(rows)) or _pow2(rows)
         if decode or backend == "xla":
             return min(_pow2(rows), max(8, _pow2(n)))
         return _pow2(max(n, self.opts.max_prefill_seqs))
@@ -839,7 +840,7 @@ class Engine:
         group = self.opts.lora_group_qkv
         block_t = decode_block_t(backend) if decode else self.opts.prefill_lora_block_t
         shrink_bt = {}
-        if decode:  # each shrink launch's (paged.pool_lora): q/k/v as one with group_qkv
+        if decode and mbgmv_shrink(len(seg_starts) - 1, t):  # each shrink launch's (paged.pool_lora)
             for name in self._shrink_launch_names(ranks, group):
                 bt = decode_block_t(backend, "shrink", self.cfg.kv_size,
                                     self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])

@@ -879,6 +879,41 @@ def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
     assert_drained(engine)
 
 
+def test_few_slots_bucket_routes_kernel_decode_steps_to_the_dot_shrink(paths, monkeypatch):
+    """BLOCKS["mbgmv"]["few_slots"]: a hybrid decode step past the one-hot switch with at most
+    few_slots adapters, in a batch bucket of at least 4 x few_slots rows, takes the slot bucket
+    few_slots and shrinks in the dot form (no block_t 1 launch); more adapters, or a smaller
+    batch, keep the batch's bucket and block_t 1. Off (None) by default: every step as before.
+    The warm-up compiles the extra bucket."""
+    from pallas_kernels import lora as lora_kernels
+    from slora_jax.engine import _pow2
+    engine = LLM("tiny", adapters={"a": paths["a"]}, dtype="float32", page_size=16, pool_pages=BIG,
+                 lora_backend="hybrid", lora_hybrid_slots=8, max_num_seqs=128)
+    eng = engine.engine
+    # a column-tile cap the tiny model reaches, so its shrinks take block_t 1 where allowed
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 16})
+
+    def decision(n, rows):
+        sa = eng._slot_bucket(n, rows, decode=True)
+        modules = ("q_proj", "v_proj")
+        arrays = {m: eng._empty_lora_arrays(m, sa) for m in modules}
+        lora = eng._make_lora_inputs(rows, np.full(rows, -1, np.int32), np.zeros(sa + 1, np.int32),
+                                     {m: (a, b) for m, (a, b, _) in arrays.items()},
+                                     {m: rk for m, (_, _, rk) in arrays.items()}, eng._step_backend(sa, True), True)
+        return sa, lora.backend, dict(lora.shrink_block_t)
+    off = {n: decision(n, 128) for n in (4, 12, 20, 40)}
+    assert off[4] == (8, "xla", {}) and off[12][:2] == off[40][:2] == (128, "pallas"), off
+    assert set(off[12][2].values()) == {1}, off  # block_t 1 shrinks without few_slots
+    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "few_slots": 32})
+    assert decision(4, 128) == off[4]                       # the one-hot path is untouched
+    assert decision(12, 128) == (32, "pallas", {})          # few adapters: their bucket, dot shrink
+    assert decision(20, 128) == (32, "pallas", {})
+    assert decision(40, 128) == off[40]                     # more than few_slots: as before
+    assert decision(12, 64)[0] == 64 and set(decision(12, 64)[2].values()) == {1}  # 64 < 4 x 32 rows
+    buckets = eng._slot_buckets(_pow2(128), 128, decode=True)
+    assert 32 in buckets and 128 in buckets, buckets  # what warmup_shapes compiles
+
+
 def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     """With adapters registered, warmup also compiles every LoRA slot bucket on their modules: the
     mixed batch W then runs without a new step shape, and as the reference."""
