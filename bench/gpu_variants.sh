@@ -26,6 +26,13 @@ group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|nsweep|b
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
      --budget-s "${BUDGET_S:-540}" ${RUN_ARGS:-})
+# variants ARGS...: run.py with these arguments; its console, less XLA's log lines and the
+# per-request rejections, is shown and kept in variants-<group><TAG>.log.
+variants() {
+  "${RUN[@]}" "$@" 2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-$group${TAG:-}.log"
+}
+# S2 at a saturating rate: 30 s traces, each run cut at 50 s, decode batches of at least 16 rows.
+S2_SAT=(--workload "S2$WL" --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16)
 case $group in
   s2)
     # (run.py first compiles every step bucket of the base model and of the adapters' modules.)
@@ -55,7 +62,7 @@ case $group in
     # measured already.)
     cap="S2-unified-n1000-R40"
     short=(--warmup-s 5 --no-requests)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 1000 \
       --variant "$cap:--rate 40 ${short[*]}" \
       --variant "S2-base-R40:--mode base --rate 40 ${short[*]}" \
       --variant "S2-unified-n1000-R40-no-overlap:--rate 40 ${short[*]} --engine overlap_steps=false" \
@@ -74,8 +81,7 @@ case $group in
       --variant "S2-unified-n1000-R40-xla:--rate 40 ${short[*]} --engine lora_backend=xla" \
       --variant "S2-unified-n1000-R40-pallas:--rate 40 ${short[*]} --engine lora_backend=pallas" \
       --variant "S2-unified-n1000-R10:--rate 10 --duration-s 40 --max-wall-s 70 --warmup-s 5" \
-      --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s2.log"
+      --variant "S2-base-R10:--mode base --rate 10 --duration-s 40 --max-wall-s 70 ${short[*]}"
     ;;
   host)
     # Issue 7: what S2's unified steps spend beyond the base model's. 1-2: capacity pair;
@@ -88,14 +94,13 @@ case $group in
     # never timed against it); 6: async_results_copy (each step's results start their copy to the
     # host at dispatch). ~500 s with a cold cache.
     short=(--warmup-s 5 --no-requests --rate 40)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 1000 \
       --variant "S2-unified-n1000-R40:${short[*]}" \
       --variant "S2-base-R40:--mode base ${short[*]}" \
       --variant "S2-unified-n1000-R40-delay4:${short[*]} --engine prefill_delay_factor=4" \
       --variant "S2-base-R40-delay4:--mode base ${short[*]} --engine prefill_delay_factor=4" \
       --variant "S2-unified-n1000-R40-prefill-xla:${short[*]} --engine prefill_lora_backend=xla" \
-      --variant "S2-unified-n1000-R40-async-copy:${short[*]} --engine async_results_copy=true" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-host.log"
+      --variant "S2-unified-n1000-R40-async-copy:${short[*]} --engine async_results_copy=true"
     ;;
   prefetch)
     # Issue 5: how much of the cold-adapter cost a prefetch hides (bench/prefetch_report.py reads
@@ -115,7 +120,7 @@ case $group in
     # 5: as 3 with 4 stage threads (the default before session 9).
     # 6-7: 3-4 at the second rate.
     r=${PREFETCH_RATE:-12}; r2=${PREFETCH_RATE2:-16}
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --distinct-files 16 --duration-s 30 \
+    variants --workload "S2$WL" --n 1000 --distinct-files 16 --duration-s 30 \
       --max-wall-s 50 --warmup-s 5 --engine min_decode_batch=16 \
       --variant "S2-n1000-f16-prefetch-on-R$r:--rate $r" \
       --variant "S2-n1000-f16-prefetch-on-R$r2:--rate $r2" \
@@ -123,8 +128,7 @@ case $group in
       --variant "S2-n1000-f16-prefetch-off-R$r-disk:--rate $r --engine prefetch_adapters=0 --engine host_cache_size=8" \
       --variant "S2-n1000-f16-prefetch-on-R$r-disk-w4:--rate $r --engine host_cache_size=8 --engine stage_workers=4" \
       --variant "S2-n1000-f16-prefetch-on-R$r2-disk:--rate $r2 --engine host_cache_size=8" \
-      --variant "S2-n1000-f16-prefetch-off-R$r2-disk:--rate $r2 --engine prefetch_adapters=0 --engine host_cache_size=8" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-prefetch.log"
+      --variant "S2-n1000-f16-prefetch-off-R$r2-disk:--rate $r2 --engine prefetch_adapters=0 --engine host_cache_size=8"
     python3 bench/prefetch_report.py "$RES" --out "$RES/prefetch_report.json" | tee -a "$RES/variants-prefetch.log"
     ;;
   s4)
@@ -132,11 +136,10 @@ case $group in
     # 4.06 req/s, separate region 2.64, padded batched matmul 0.17): the unified pool, then a
     # reserved adapter region (e) of S4_REGION_PAGES, then the base model. Padded slots (d) need a
     # run of their own (their engine has a fixed slot bucket): gpu_suite.sh S4-padded-n400-R6.
-    "${RUN[@]}" --workload "S4$WL" --n 400 --rate 6 --duration-s 60 --max-wall-s 90 --warmup-s 5 \
+    variants --workload "S4$WL" --n 400 --rate 6 --duration-s 60 --max-wall-s 90 --warmup-s 5 \
       --variant "S4-unified-n400-R6" \
       --variant "S4-separate-n400-R6:--mode separate --adapter-region-pages ${S4_REGION_PAGES:-1024}" \
-      --variant "S4-base-R6:--mode base --no-requests" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s4.log"
+      --variant "S4-base-R6:--mode base --no-requests"
     ;;
   s1)
     # S1 (rank 8) at n = 2000: the offered rate up to where SLO attainment falls below 0.9 (target:
@@ -144,7 +147,7 @@ case $group in
     # attainment 1.00 at 10, 0.70 at 25, so 15 and 20 come next; the base model at 25 beside it.
     # Session 5 (hybrid decode LoRA): 1.00 at 20, 0.864 at 25. Session 6, overlap_steps (now the
     # GPU default): 0.883 at 25.
-    "${RUN[@]}" --workload "S1$WL" --n 2000 --duration-s 60 --max-wall-s 90 --no-requests --warmup-s 5 \
+    variants --workload "S1$WL" --n 2000 --duration-s 60 --max-wall-s 90 --no-requests --warmup-s 5 \
       --engine min_decode_batch=16 \
       --variant "S1-unified-n2000-R25:--rate 25" \
       --variant "S1-unified-n2000-R30:--rate 30" \
@@ -152,18 +155,16 @@ case $group in
       --variant "S1-unified-n2000-R10" \
       --variant "S1-unified-n2000-R15:--rate 15" \
       --variant "S1-base-R25:--mode base --rate 25" \
-      --variant "S1-unified-n2000-R35:--rate 35" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-s1.log"
+      --variant "S1-unified-n2000-R35:--rate 35"
     ;;
   capacity)
     # The S2 capacity pair alone (unified, base), its variant names tagged with TAG: for a pair
     # under other XLA_FLAGS, which need a process of their own (e.g. TAG=-concurrent with
     # XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT). ~200 s with a cold cache.
     short=(--warmup-s 5 --no-requests --rate 40)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 1000 \
       --variant "S2-unified-n1000-R40${TAG:-}:${short[*]}" \
-      --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-capacity${TAG:-}.log"
+      --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}"
     ;;
   trace)
     # The S2 capacity pair with a device trace of 40 serving steps from 15 s on (~12 of them
@@ -174,10 +175,9 @@ case $group in
     # stream, show there). The trace slows the traced steps; compare the two variants, not the
     # untraced runs.
     short=(--warmup-s 5 --no-requests --rate 40 --trace-steps 40 --trace-after-s 15)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 1000 \
       --variant "S2-unified-n1000-R40-traced${TAG:-}:${short[*]}" \
-      --variant "S2-base-R40-traced${TAG:-}:--mode base ${short[*]}" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-trace${TAG:-}.log"
+      --variant "S2-base-R40-traced${TAG:-}:--mode base ${short[*]}"
     ;;
   nsweep)
     # Issue 7's sweep over n at a saturating rate: S2's capacity with n = 1 ... 2000 adapters and the
@@ -185,15 +185,14 @@ case $group in
     # from the same call; bench/plots.py draws throughput_vs_n.png with the base model as a line.
     # ~55 s a variant after ~150 s of load and compile.
     short=(--warmup-s 5 --no-requests --rate 40)
-    "${RUN[@]}" --workload "S2$WL" --n 2000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 2000 \
       --variant "S2-unified-n1000-R40${TAG:-}:--n 1000 ${short[*]}" \
       --variant "S2-base-R40${TAG:-}:--mode base ${short[*]}" \
       --variant "S2-unified-n1-R40${TAG:-}:--n 1 ${short[*]}" \
       --variant "S2-unified-n10-R40${TAG:-}:--n 10 ${short[*]}" \
       --variant "S2-unified-n100-R40${TAG:-}:--n 100 ${short[*]}" \
       --variant "S2-unified-n2000-R40${TAG:-}:--n 2000 ${short[*]}" \
-      --variant "S2-unified-n5-R40${TAG:-}:--n 5 ${short[*]}" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-nsweep${TAG:-}.log"
+      --variant "S2-unified-n5-R40${TAG:-}:--n 5 ${short[*]}"
     ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
@@ -202,11 +201,10 @@ case $group in
     # Session 15's case: prefill split-K won in a profile and lost in a serving run of its own.
     b=${BLOCKS_B:-'{"shrink":{"split_k_max_tokens":1024}}'}
     short=(--warmup-s 5 --no-requests --rate 40)
-    "${RUN[@]}" --workload "S2$WL" --n 1000 --duration-s 30 --max-wall-s 50 --engine min_decode_batch=16 \
+    variants "${S2_SAT[@]}" --n 1000 \
       --variant "S2-unified-n1000-R40:${short[*]}" \
       --variant "S2-base-R40:--mode base ${short[*]}" \
-      --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'" \
-      2>&1 | grep --line-buffered -v "rejected:\|^W1\|^I1" | tee -a "$RES/variants-blocks.log"
+      --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'"
     ;;
   *) echo "unknown group $group (s1, s2, s4, prefetch, host, capacity, trace, nsweep, blocks)"; exit 2 ;;
 esac
