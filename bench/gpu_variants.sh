@@ -9,6 +9,8 @@
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh trace  # issue 7: a device trace of S2 serving steps, unified and base
 #   SLORA_COMMIT=<sha> BLOCKS_B='<json>' bash bench/gpu_variants.sh blocks  # LoRA kernel settings, same run
 #   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh nsweep # issue 7: S2 capacity over n = 1 ... 2000 and the base model
+#   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh table3-s1  # issue 7: the paper's Table 3 rows (also -s2, -s4), base beside
+#   SLORA_COMMIT=<sha> bash bench/gpu_variants.sh alpha  # issue 7: S2 capacity over popularity skew alpha
 #
 # Results: $RESULTS_DIR, else bench/results/<date>-<commit>/ (the folder gpu_suite.sh uses), copied
 # to $OUT after the call. BUDGET_S (default 540): no variant starts that would not end in time.
@@ -21,7 +23,7 @@ RES=${RESULTS_DIR:-bench/results/$(date +%Y%m%d)-${commit:0:7}}
 WL=${WL_SUFFIX:-}   # "-cpu": the miniatures, to try this script on a CPU
 mkdir -p "$RES"
 source bench/xla_cache.sh
-group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|nsweep|blocks}
+group=${1:?usage: gpu_variants.sh s1|s2|s4|prefetch|host|capacity|trace|nsweep|table3-s1|table3-s2|table3-s4|alpha|blocks}
 # RUN_ARGS: more run.py arguments for every variant, e.g. RUN_ARGS="--warmup-workers 8" (the
 # first warm-up compiles every step bucket, whole-model jits: 77-88 s for S1/S2 with 8 threads).
 RUN=(${PYTHON:-python3} bench/run.py --adapter-dir "${ADAPTER_DIR:-/tmp/slora-bench-adapters}" --out-dir "$RES"
@@ -194,6 +196,35 @@ case $group in
       --variant "S2-unified-n2000-R40${TAG:-}:--n 2000 ${short[*]}" \
       --variant "S2-unified-n5-R40${TAG:-}:--n 5 ${short[*]}"
     ;;
+  table3-s1|table3-s2|table3-s4)
+    # The rest of the paper's Table 3 (S-LoRA on an A100-80GB at R = 10, S4 at R = 6; alpha 1,
+    # cv 1) with the base model on the same trace, one process a workload. 60 s traces instead of
+    # the paper's 120 s, so that a workload fits one call (~95 s a variant after ~100 s of load and
+    # compile); the table's earlier rows (S1 n = 2000, S2 n = 1000) came from 40-120 s traces.
+    short=(--duration-s 60 --max-wall-s 90 --warmup-s 5 --no-requests)
+    case $group in
+      table3-s1) variants --workload "S1$WL" --n 1000 --rate 10 "${short[@]}" \
+        --variant "S1-unified-n5-R10-t3:--n 5" --variant "S1-unified-n100-R10-t3:--n 100" \
+        --variant "S1-unified-n1000-R10-t3:--n 1000" --variant "S1-base-R10-t3:--mode base" ;;
+      table3-s2) variants --workload "S2$WL" --n 2000 --rate 10 "${short[@]}" \
+        --variant "S2-unified-n5-R10-t3:--n 5" --variant "S2-unified-n2000-R10-t3:--n 2000" \
+        --variant "S2-base-R10-t3:--mode base" ;;
+      table3-s4) variants --workload "S4$WL" --n 1000 --rate 6 "${short[@]}" \
+        --variant "S4-unified-n2-R6-t3:--n 2" --variant "S4-unified-n1000-R6-t3:--n 1000" \
+        --variant "S4-base-R6-t3:--mode base" ;;
+    esac
+    ;;
+  alpha)
+    # Popularity skew at S2's saturation (n = 1000, 40 req/s offered, 30 s): alpha below 1 puts
+    # most requests on the first adapters (int(n * power(alpha))), so a decode step reads fewer
+    # distinct adapters; alpha 1 (uniform) is the nsweep group's point. ~55 s a variant.
+    variants "${S2_SAT[@]}" --n 1000 --rate 40 --warmup-s 5 --no-requests \
+      --variant "S2-unified-n1000-R40-alpha0.1:--alpha 0.1" \
+      --variant "S2-unified-n1000-R40-alpha0.3:--alpha 0.3" \
+      --variant "S2-unified-n1000-R40-alpha0.6:--alpha 0.6" \
+      --variant "S2-unified-n1000-R40-alpha1:--alpha 1" \
+      --variant "S2-base-R40-alpha1:--mode base"
+    ;;
   blocks)
     # Two LoRA kernel settings side by side in S2's capacity run: the defaults, the base model,
     # then BLOCKS_B (JSON merged into pallas_kernels.lora.BLOCKS for that variant alone, run.py
@@ -206,7 +237,7 @@ case $group in
       --variant "S2-base-R40:--mode base ${short[*]}" \
       --variant "S2-unified-n1000-R40-blocks-b:${short[*]} --lora-blocks '$b'"
     ;;
-  *) echo "unknown group $group (s1, s2, s4, prefetch, host, capacity, trace, nsweep, blocks)"; exit 2 ;;
+  *) echo "unknown group $group (s1, s2, s4, prefetch, host, capacity, trace, nsweep, table3-s1, table3-s2, table3-s4, alpha, blocks)"; exit 2 ;;
 esac
 # $OUT brings back at most 8 files: the results folder as one archive, its log beside it.
 [[ -n ${OUT:-} ]] && mkdir -p "$OUT" && tar czf "$OUT/results-$group.tgz" -C "$RES" . && \
