@@ -89,8 +89,9 @@ def host_cache_bytes(gb: float | None) -> int:
 class AdapterStore:
     def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
                  *, pad_to_max_rank: bool = False, host_cache_bytes: int | None = None,
-                 stage_workers: int = STAGE_WORKERS):
+                 stage_workers: int = STAGE_WORKERS, tp: int = 1):
         self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
+        self.tp = tp  # devices the pool's rows are split over: pack_adapter lays the rows out for them
         # Lay every adapter out at max_rank on every target module (the padded-slots baseline).
         self.pad_rank = max_rank if pad_to_max_rank else None
         self.host_cache_size = host_cache_size
@@ -221,7 +222,7 @@ class AdapterStore:
         """Read and validate one adapter directory: its layout and packed rows."""
         adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank, dtype=None)  # may raise
         layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
-        return layout, pack_adapter(adapter, layout, self.cfg, self.dtype)
+        return layout, pack_adapter(adapter, layout, self.cfg, self.dtype, self.tp)
 
     def _read(self, entry: AdapterEntry):
         layout, rows = self._load(entry.name, entry.path)

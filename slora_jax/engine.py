@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from pallas_kernels.lora import (block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
                                  mbgmv_shrink, shrink_schedule)
-from slora_jax import paged
+from slora_jax import paged, tp as tp_mod
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
 from slora_jax.config import TARGET_MODULES, ModelConfig
 from slora_jax.layout import AdapterLayout, page_rows
@@ -125,6 +125,10 @@ class EngineOptions(SchedulerOptions):
     # bound there. Off until a run shows a gain. Costs the K/V buffer (max step tokens x layers x
     # 2 x kv width: 2 GiB for llama-7b at 4096 prefill tokens), taken before the pool is sized.
     stable_buffers: bool = False
+    # Devices the model is split over (slora_jax.tp; DESIGN.md "Tensor parallelism"): Megatron
+    # weights, the pool split along its row width, S-LoRA's adapter layout. The whole-model jit
+    # only, under shard_map; LoRA backends xla and pallas.
+    tensor_parallel: int = 1
     # One jit per decoder layer kind instead of one over the unrolled model (paged.layer_step): a
     # new step shape compiles one layer instead of num_hidden_layers, for a dispatch per layer.
     compile_per_layer: bool = False
@@ -183,6 +187,16 @@ class EngineOptions(SchedulerOptions):
         if self.stable_buffers and (self.compile_per_layer or self.pack_inputs):
             raise ValueError("stable_buffers is for the whole-model jit and packs the inputs itself: set "
                              "stable_buffers=False with compile_per_layer or pack_inputs")
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")
+        if tp > 1:
+            unsupported = [name for name in ("compile_per_layer", "pack_inputs", "stable_buffers") if getattr(self, name)]
+            unsupported += [f"{name}='triton'" for name in ("lora_backend", "prefill_lora_backend")
+                            if getattr(self, name) == "triton"]
+            if unsupported:
+                raise ValueError(f"tensor_parallel={tp} runs the whole-model jit with the xla or pallas LoRA "
+                                 f"backends; not with {', '.join(unsupported)}")
         if self.attention_backend == "triton":
             raise ValueError("attention_backend='triton' is not available (no Triton attention "
                              "kernel); use 'pallas' or 'xla'")
@@ -257,6 +271,13 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, opts: EngineOptions,
                  max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.params, self.dtype, self.store, self.opts = cfg, params, jnp.dtype(dtype), store, opts
+        # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.tp).
+        self.tp = tp_mod.TP.make(opts.tensor_parallel, cfg) if opts.tensor_parallel > 1 else None
+        if self.tp is not None:
+            if store.tp != self.tp.size:
+                raise ValueError(f"the adapter store lays rows out for {store.tp} devices, the engine runs on "
+                                 f"{self.tp.size} (AdapterStore(..., tp=tensor_parallel))")
+            self.params = tp_mod.shard_params(params, self.tp)
         self.max_model_len = max_model_len
         if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None:
             jax.config.update("jax_compilation_cache_dir", opts.compilation_cache_dir)
@@ -270,7 +291,7 @@ class Engine:
         self.pool = self._make_pool(num_pages)
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
         self._lora_slots = opts.adapter_slots if opts.adapter_memory == "padded_slots" else None
-        self.kv = paged.empty_pool(cfg, num_pages, self.ps, self.dtype)
+        self.kv = paged.empty_pool(cfg, num_pages, self.ps, self.dtype, self.tp)
         self.clock = clock
         self.metrics = EngineMetrics()
         self.sched = Scheduler(self.pool, opts, self.ps, store.entries.get, clock=clock,
@@ -294,7 +315,7 @@ class Engine:
         # (id(request) -> results row) and its results on the device; results have these rows.
         self._in_flight: _InFlight | None = None
         self._feed_rows: dict[int, int] = {}
-        self._prev_results = jax.device_put(np.zeros((self._result_rows, 2), np.float32), self.kv[0].sharding) \
+        self._prev_results = jax.device_put(np.zeros((self._result_rows, 2), np.float32), self._replicated) \
             if opts.overlap_steps else None
         self._last_done = 0.0
 
@@ -333,7 +354,13 @@ class Engine:
         limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
         # A device that reports no budget (the CPU) gets 1 GiB of pool.
         budget = (limit - used) * self.opts.memory_fraction if limit else 2**30
-        return int(budget // paged.page_bytes(self.cfg, self.ps, self.dtype))
+        # each device of a tensor-parallel mesh holds 1/tp of every page
+        return int(budget // (paged.page_bytes(self.cfg, self.ps, self.dtype) // self.opts.tensor_parallel))
+
+    @property
+    def _replicated(self):
+        """Where a step's small replicated arrays live: the pool's device, or every device of the mesh."""
+        return self.tp.sharding(tp_mod.P()) if self.tp is not None else self.kv[0].sharding
 
     @property
     def running(self) -> list[Request]:
@@ -560,7 +587,7 @@ class Engine:
                                                  cfg=self.cfg)
         else:
             self.kv, results = paged.step(self.params, self.kv, self._device_inputs(inp), cfg=self.cfg,
-                                          per_layer=self.layers_per_call)
+                                          per_layer=self.layers_per_call, tp=self.tp)
         return results
 
     def _device_inputs(self, inp: paged.StepInputs) -> paged.StepInputs:
@@ -720,6 +747,8 @@ class Engine:
                 held = jax.device_put(np.append(buf, np.int32(0)), b.results.sharding)  # committed, as in steps
                 paged.forward_sample_packed.lower(self.params, self.kv, held, device, b.kv_out, b.results,
                                                   cfg=self.cfg, spec=spec).compile()
+            elif self.tp is not None:
+                paged.forward_sample_tp.lower(self.params, self.kv, inp, cfg=self.cfg, tp=self.tp).compile()
             else:
                 paged.forward_sample.lower(self.params, self.kv, inp, cfg=self.cfg).compile()
             kind = "decode" if inp.decode else "prefill"
@@ -1005,7 +1034,7 @@ class Engine:
                 raise ValueError("prompts do not fit in the pool together")
             _group_by_adapter(plan.chunks)
             inp, _ = self._prefill_inputs(plan.chunks)
-            self.kv, logits = paged.step_all_logits(self.params, self.kv, inp, cfg=self.cfg)
+            self.kv, logits = paged.step_all_logits(self.params, self.kv, inp, cfg=self.cfg, tp=self.tp)
             logits = np.asarray(logits)
             at, where = 0, {}  # the scheduler may order the chunks differently from the prompts
             for req, start, end in plan.chunks:

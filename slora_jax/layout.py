@@ -61,10 +61,14 @@ class AdapterLayout:
         return AdapterLayout(modules, row, -(-row // (2 * page_size)))
 
 
-def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype) -> np.ndarray:
+def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: int = 1) -> np.ndarray:
     """The adapter as rows [L, layout.rows, W] in `dtype`, ready to scatter into its pages. Each
-    matrix is written in place, cast once (B scaled in float32 first); the rest stays zero."""
+    matrix is written in place, cast once (B scaled in float32 first); the rest stays zero.
+    tp > 1: each matrix's rows laid out for a pool split along W over tp devices (A^T on its
+    input, B on its output: tp.split_columns)."""
     width = cfg.kv_size
+    if tp > 1:
+        return _pack_split(adapter, layout, cfg, dtype, tp)
     out = np.zeros((cfg.num_hidden_layers, layout.rows * width), dtype)
     for (layer, module), w in adapter.weights.items():
         slot = layout.modules[module]
@@ -76,6 +80,22 @@ def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype) -> np.
         # then one float32 transpose (a cast and a transpose in one assignment is ~2x slower).
         b[:w.rank] = np.ascontiguousarray(np.asarray(w.b.T, np.float32).T) * np.float32(w.scale)
     return out.reshape(cfg.num_hidden_layers, layout.rows, width)
+
+
+def _pack_split(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: int) -> np.ndarray:
+    from slora_jax.tp import split_columns
+    width = cfg.kv_size
+    out = np.zeros((cfg.num_hidden_layers, layout.rows, width), dtype)
+    for (layer, module), w in adapter.weights.items():
+        slot = layout.modules[module]
+        fin, fout = cfg.module_shape(module)
+        a = np.zeros((slot.rank, fin), dtype)
+        a[:w.rank] = w.a.T
+        b = np.zeros((slot.rank, fout), dtype)
+        b[:w.rank] = np.asarray(w.b, np.float32) * np.float32(w.scale)  # w.b: [r, out]
+        out[layer, slot.a_row:slot.a_row + slot.a_rows] = split_columns(a, slot.a_rows, width, tp)
+        out[layer, slot.b_row:slot.b_row + slot.b_rows] = split_columns(b, slot.b_rows, width, tp)
+    return out
 
 
 def page_rows(pages: list[int], n_rows: int, page_size: int) -> np.ndarray:

@@ -46,8 +46,9 @@ class LLM:
                                   self.options.max_lora_rank, self.options.host_cache_size,
                                   pad_to_max_rank=self.options.adapter_memory == "padded_slots",
                                   host_cache_bytes=host_cache_bytes(self.options.host_cache_gb),
-                                  stage_workers=self.options.stage_workers)
+                                  stage_workers=self.options.stage_workers, tp=self.options.tensor_parallel)
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
+        self.params = self.engine.params  # placed over the mesh under tensor_parallel (no second copy)
         if adapters:
             self.load_adapters(adapters)
 

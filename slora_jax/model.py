@@ -80,8 +80,14 @@ def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApp
     return y if lora is None else lora(i, module, x, y, kv)
 
 
+def _same(y: jax.Array) -> jax.Array:
+    return y
+
+
 def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, attend: Attend, kv,
-                  lora: LoraApply | None):
+                  lora: LoraApply | None, reduce: Callable[[jax.Array], jax.Array] = _same):
+    """reduce: applied to the o and down projections' outputs (tensor parallel: their partial sums
+    summed across the devices; cfg then holds one device's heads and MLP columns)."""
     n = x.shape[0]
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     q = _proj(p, i, "q_proj", h, lora, kv).reshape(n, cfg.num_attention_heads, cfg.head_dim)
@@ -89,21 +95,22 @@ def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, a
     v = _proj(p, i, "v_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(i, q, k, v, kv)
-    x = x + _proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv)
+    x = x + reduce(_proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv))
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     gate = _proj(p, i, "gate_proj", h, lora, kv)
     up = _proj(p, i, "up_proj", h, lora, kv)
-    x = x + _proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora, kv)
+    x = x + reduce(_proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora, kv))
     return x, kv
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: Attend, kv,
-            lora: LoraApply | None = None):
-    """tokens, positions: [N]. Returns the final-normed hidden states [N, H] and the updated KV state."""
+            lora: LoraApply | None = None, reduce: Callable[[jax.Array], jax.Array] = _same):
+    """tokens, positions: [N]. Returns the final-normed hidden states [N, H] and the updated KV state.
+    reduce: see decoder_layer."""
     x = params["embed_tokens"][tokens]
     cos, sin = rope_cos_sin(cfg, positions)
     for i, p in enumerate(params["layers"]):
-        x, kv = decoder_layer(cfg, p, i, x, cos, sin, attend, kv, lora)
+        x, kv = decoder_layer(cfg, p, i, x, cos, sin, attend, kv, lora, reduce)
     return rms_norm(x, params["norm"], cfg.rms_norm_eps), kv
 
 

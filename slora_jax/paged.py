@@ -17,10 +17,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
-from slora_jax import model
+from slora_jax import model, tp as tp_mod
 from slora_jax.config import ModelConfig
 from slora_jax.sampling import sample
 
@@ -97,12 +98,13 @@ class StepInputs:
     prev_results: jax.Array | None = None
 
 
-def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[jax.Array]:
+def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, tp=None) -> list[jax.Array]:
     """Zeroed pool arrays, committed to the device now: an uncommitted array becomes committed at
-    the first adapter load, and every step compiled before that would compile again."""
+    the first adapter load, and every step compiled before that would compile again. tp (a
+    tp.TP): each layer split along W over its mesh."""
     shape = (num_pages, 2, page_size, cfg.kv_size)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(
-        jax.devices()[0]))
+    sharding = tp.sharding(tp_mod.POOL) if tp is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [zeros() for _ in range(cfg.num_hidden_layers)]
 
 
@@ -127,7 +129,10 @@ def load_rows(pool: list[jax.Array], rows: np.ndarray, data) -> list[jax.Array]:
     n = max(64, 1 << (len(rows) - 1).bit_length())
     idx = np.zeros(n, np.int32)
     idx[:len(rows)] = rows
-    data = jax.device_put(data, pool[0].sharding)
+    sharding = pool[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # a pool split along W (tensor parallel)
+        sharding = jax.sharding.NamedSharding(sharding.mesh, tp_mod.ROWS)
+    data = jax.device_put(data, sharding)
     if n != len(rows):
         data = jnp.pad(data, ((0, 0), (0, n - len(rows)), (0, 0)))
     return write_rows(pool, idx, data)
@@ -218,12 +223,16 @@ def paged_attend(inp: StepInputs):
     return attend
 
 
+def _write_kv_all(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax.Array]:
+    return [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, new_kv)]
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def commit_kv(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax.Array]:
     """Write every layer's new K/V [T, kv_heads, d] at kv_slot [T]. A jit of its own that only
     scatters into the donated pool, so XLA updates it in place on every backend; inside the
     step, where the same buffers are also gathered from, XLA on GPU copied them instead."""
-    return [write_kv(pl, k, v, kv_slot) for pl, (k, v) in zip(pool, new_kv)]
+    return _write_kv_all(pool, new_kv, kv_slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,15 +240,31 @@ def commit_kv(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax.Arr
 
 
 def lora_xla(x, pool_layer, a_rows, b_rows, ranks, token_slot, max_rank: int, fin: int, fout: int):
-    width = pool_layer.shape[-1]
-    rows = pool_layer.reshape(-1, width)
+    xa = lora_xla_shrink(x, pool_layer, a_rows, ranks, token_slot, max_rank, fin)
+    return lora_xla_expand(xa.astype(x.dtype), pool_layer, b_rows, max_rank, fout)
+
+
+def _slot_matrices(pool_layer, slot_rows, max_rank: int, features: int):
+    """[Sa, R, features]: each slot's matrix (A^T or B) read from its rows of the pool."""
+    rows = pool_layer.reshape(-1, pool_layer.shape[-1])
+    sa = slot_rows.shape[0]
+    return rows[slot_rows].reshape(sa, -1)[:, :max_rank * features].reshape(sa, max_rank, features)
+
+
+def lora_xla_shrink(x, pool_layer, a_rows, ranks, token_slot, max_rank: int, fin: int):
+    """x @ A of every token against every slot, kept only at the token's own slot and the slot's
+    rank: [T, Sa, R] float32."""
+    a = _slot_matrices(pool_layer, a_rows, max_rank, fin)
     sa = a_rows.shape[0]
-    a = rows[a_rows].reshape(sa, -1)[:, :max_rank * fin].reshape(sa, max_rank, fin)
-    b = rows[b_rows].reshape(sa, -1)[:, :max_rank * fout].reshape(sa, max_rank, fout)
     live = (jnp.arange(max_rank)[None, :] < ranks[:, None])  # [Sa, R]
     sel = token_slot[:, None] == jnp.arange(sa)[None, :]      # [T, Sa]
     xa = jnp.einsum("ti,sri->tsr", x, a, preferred_element_type=jnp.float32)
-    xa = jnp.where(sel[:, :, None] & live[None], xa, 0.0).astype(x.dtype)
+    return jnp.where(sel[:, :, None] & live[None], xa, 0.0)
+
+
+def lora_xla_expand(xa, pool_layer, b_rows, max_rank: int, fout: int):
+    """The delta [T, fout] float32 of lora_xla_shrink's xa (in the activations' dtype)."""
+    b = _slot_matrices(pool_layer, b_rows, max_rank, fout)
     return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)
 
 
@@ -262,14 +287,16 @@ def stack_qkv(rows: dict, ranks: dict, backend: str, group_qkv: bool) -> tuple[d
     return {m: ((None, b) if m in group else (a, b)) for m, (a, b) in rows.items()}, fields
 
 
-def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
+def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
     "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
     (lora_shrink_group; the step's schedules["shrink:qkv"] covers their slots) and each expands from its
-    columns of that xa."""
+    columns of that xa. tp > 1: one device's share under shard_map (slora_jax.tp): the device's
+    slice of x shrunk, x·A summed across the axis, expanded into the device's slice of y."""
     shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
     fused: dict = {}   # layer -> (x, modules, delta): the same for the fused kernel
+    reduce = tp_mod.psum if tp > 1 else (lambda xa: xa)
 
     def y_plus_fused(layer, module, x, y, rows, fin, fout):
         """y + this module's delta from the fused kernel: q, k and v (with group_qkv, when their
@@ -294,11 +321,24 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
     def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
             return y
+        if tp == 1:
+            return apply_local(layer, module, x, x, y)
+        fin, fout = (f // tp for f in cfg.module_shape(module))
+        d = jax.lax.axis_index(tp_mod.AXIS)
+        if module in tp_mod.COLUMN:  # x whole on every device, y this device's columns
+            return apply_local(layer, module, x, jax.lax.dynamic_slice_in_dim(x, d * fin, fin, axis=1), y)
+        part = apply_local(layer, module, x, x, jax.lax.dynamic_slice_in_dim(y, d * fout, fout, axis=1))
+        return jax.lax.dynamic_update_slice_in_dim(y, part, d * fout, axis=1)  # before the base sum
+
+    def apply_local(layer, module, key, x, y):
+        """y + the delta of x (this device's slices of both under tp); key: the model's x, by
+        which q, k and v share one shrink."""
         a_rows, b_rows = lora.rows[module]
-        fin, fout = cfg.module_shape(module)
+        fin, fout = (f // tp for f in cfg.module_shape(module))
         if lora.backend == "xla":
-            return y + lora_xla(x, pool[layer], a_rows, b_rows, lora.ranks[module], lora.token_slot,
-                                lora.max_rank, fin, fout).astype(y.dtype)
+            xa = reduce(lora_xla_shrink(x, pool[layer], a_rows, lora.ranks[module], lora.token_slot,
+                                        lora.max_rank, fin))
+            return y + lora_xla_expand(xa.astype(x.dtype), pool[layer], b_rows, lora.max_rank, fout).astype(y.dtype)
         pl = pool[layer]
         rows = pl.reshape(-1, pl.shape[-1])
         schedule = lora.schedules.get(module) if lora.schedules else None
@@ -307,7 +347,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
             return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
                                 max_rank=lora.max_rank, fin=fin, fout=fout, schedule=schedule,
                                 block_t=lora.block_t)
-        if fused_applies(x.shape[0]):  # shrink and expand in one launch (BLOCKS["fused"]["decode"])
+        if tp == 1 and fused_applies(x.shape[0]):  # shrink and expand in one launch (BLOCKS["fused"]["decode"])
             return y_plus_fused(layer, module, x, y, rows, fin, fout)
         group = (module,)
         if lora.group_qkv and module in QKV:
@@ -315,16 +355,16 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool):
         launch = "qkv" if len(group) > 1 else module
         shrink_bt = dict(lora.shrink_block_t).get(launch, lora.block_t)  # 1: a decode step's (MBGMV)
         seen = shrunk.get(layer)
-        if seen is None or seen[0] is not x or seen[1] != group:
+        if seen is None or seen[0] is not key or seen[1] != group:
             group_schedule = lora.schedules.get("shrink:" + launch) if lora.schedules else None
             if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
                 a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
             else:
                 a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
-            seen = shrunk[layer] = (x, group, lora_shrink_group(
+            seen = shrunk[layer] = (key, group, reduce(lora_shrink_group(
                 x, rows, a_group, r_group, lora.seg_starts,
                 max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt,
-                token_slot=lora.token_slot))
+                token_slot=lora.token_slot)))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
@@ -351,10 +391,12 @@ def _pad_results(results, inp: StepInputs):
     return jnp.zeros(inp.prev_results.shape, results.dtype).at[:results.shape[0]].set(results)
 
 
-def _forward(params, pool, inp: StepInputs, cfg: ModelConfig):
-    lora = pool_lora(inp.lora, cfg, pool) if inp.lora is not None else None
-    h, (_, new_kv) = model.forward(params, cfg, _tokens(inp), inp.positions, paged_attend(inp),
-                                   (pool, ()), lora)
+def _forward(params, pool, inp: StepInputs, cfg: ModelConfig, tp: int = 1):
+    """tp > 1: one device's share under shard_map (forward_sample_tp), cfg the whole model's."""
+    lora = pool_lora(inp.lora, cfg, pool, tp) if inp.lora is not None else None
+    shapes, reduce = (cfg, {}) if tp == 1 else (tp_mod.local_config(cfg, tp), {"reduce": tp_mod.psum})
+    h, (_, new_kv) = model.forward(params, shapes, _tokens(inp), inp.positions, paged_attend(inp),
+                                   (pool, ()), lora, **reduce)
     return h, new_kv
 
 
@@ -366,8 +408,8 @@ def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
     return jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
 
 
-def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig):
-    h, new_kv = _forward(params, pool, inp, cfg)
+def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig, tp: int = 1):
+    h, new_kv = _forward(params, pool, inp, cfg, tp)
     return new_kv, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
 
 
@@ -375,6 +417,30 @@ def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig):
 def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     """Everything that reads the pool: the forward pass and the sampler."""
     return _forward_sample(params, pool, inp, cfg)
+
+
+# Tensor parallel (slora_jax.tp): the same two jits under shard_map over the mesh's "tp" axis.
+# Each device runs the forward pass on its weights, heads and pool columns; the hidden state is
+# whole on every device after each layer's sums, so every device samples the same rows (the
+# results are replicated).
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tp"))
+def forward_sample_tp(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp):
+    return _over_mesh(functools.partial(_forward_sample, cfg=cfg, tp=tp.size), tp, params, pool, inp)
+
+
+def _over_mesh(local, tp, params, pool, inp: StepInputs):
+    """local(params, pool, inp) -> (new K/V, replicated output) under shard_map over tp's mesh."""
+    return jax.shard_map(local, mesh=tp.mesh, in_specs=(tp_mod.param_specs(params), [tp_mod.POOL] * len(pool), P()),
+                         out_specs=(tuple((tp_mod.KV, tp_mod.KV) for _ in pool), P()), check_vma=False)(params, pool, inp)
+
+
+@functools.partial(jax.jit, static_argnames=("tp",), donate_argnums=0)
+def commit_kv_tp(pool: list[jax.Array], new_kv, kv_slot: jax.Array, *, tp) -> list[jax.Array]:
+    """commit_kv on each device's columns of the pool and its heads' K/V."""
+    specs = [tp_mod.POOL] * len(pool)
+    return jax.shard_map(_write_kv_all, mesh=tp.mesh, in_specs=(specs, tuple((tp_mod.KV, tp_mod.KV) for _ in pool), P()),
+                         out_specs=specs, check_vma=False)(pool, new_kv, kv_slot)
 
 
 # The same forward pass as one small jit per layer kind instead of one jit over the unrolled
@@ -459,11 +525,15 @@ def _host_leaves(buf, *, spec):
     return [_host_leaf(buf, m) for m in spec.leaves if m[0] == "h"]
 
 
-def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0):
+def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, per_layer: int = 0, tp=None):
     """One engine step: `(pool, results)`; the pool is donated (updated in place). per_layer = k
     >= 1 (True: 1): through forward_sample_per_layer, k decoder layers a jit (see
     EngineOptions.compile_per_layer and layers_per_call); 0: one jit over the unrolled model.
+    tp (a tp.TP): the whole-model step split over its mesh (params and pool placed for it).
     (step_packed: the same step through StepBuffers.)"""
+    if tp is not None:
+        new_kv, results = forward_sample_tp(params, pool, inp, cfg=cfg, tp=tp)
+        return commit_kv_tp(pool, new_kv, inp.kv_slot, tp=tp), results
     if per_layer:
         new_kv, results = forward_sample_per_layer(params, pool, inp, cfg=cfg, layers_per_call=int(per_layer))
     else:
@@ -617,15 +687,19 @@ def _forward_into(params, pool, inp: StepInputs, kv_out, cfg: ModelConfig):
     return kv_out, results
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
-    h, new_kv = _forward(params, pool, inp, cfg)
-    return new_kv, model.lm_logits(params, cfg, h)
+@functools.partial(jax.jit, static_argnames=("cfg", "tp"))
+def _all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp=None):
+    def local(params, pool, inp):
+        h, new_kv = _forward(params, pool, inp, cfg, tp.size if tp is not None else 1)
+        return new_kv, model.lm_logits(params, cfg, h)
+    return local(params, pool, inp) if tp is None else _over_mesh(local, tp, params, pool, inp)
 
 
-def step_all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig):
+def step_all_logits(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp=None):
     """A prefill step that returns the logits of every token (scoring; tests)."""
-    new_kv, logits = _all_logits(params, pool, inp, cfg=cfg)
+    new_kv, logits = _all_logits(params, pool, inp, cfg=cfg, tp=tp)
+    if tp is not None:
+        return commit_kv_tp(pool, new_kv, inp.kv_slot, tp=tp), logits
     return commit_kv(pool, new_kv, inp.kv_slot), logits
 
 

@@ -1109,6 +1109,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                     help="dispatch each step before the previous one's tokens reach the host, so "
                     "scheduling overlaps the device (default: on for a GPU, off on a CPU)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices the model is split over (Megatron weights, the page pool split along "
+                    "its row width, S-LoRA's adapter layout; vLLM's flag name)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
     args = ap.parse_args(argv)
 
@@ -1129,6 +1132,7 @@ def main(argv: list[str] | None = None) -> None:
               max_prefill_tokens=args.max_num_batched_tokens, max_adapters_per_batch=args.max_loras,
               max_lora_rank=max_rank, host_cache_size=args.max_cpu_loras, host_cache_gb=args.max_cpu_lora_gb,
               compile_per_layer=args.compile_per_layer, overlap_steps=args.overlap_steps,
+              tensor_parallel=args.tensor_parallel_size,
               **({"ttft_slo": args.ttft_slo} if args.ttft_slo is not None else {}))
     if not args.no_warmup:
         # The embedded default's adapters target mixed module sets, so few of its batches would

@@ -1,0 +1,130 @@
+"""Tensor parallelism (slora_jax.tp): the adapter layout on the host, the options, and the engine
+split over two host CPU devices against one device and against the oracle.
+
+The engine runs happen in processes of their own (tests/tp_check.py; a nested pytest of
+tests/test_parity.py): XLA's CPU device count is fixed when JAX starts, and this process has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slora_jax import tp
+from slora_jax.adapters import load_peft_adapter, random_peft_adapter
+from slora_jax.config import load_model_config
+from slora_jax.engine import EngineOptions
+from slora_jax.layout import AdapterLayout, pack_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+CFG = load_model_config("tiny")
+TWO_DEVICES = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
+
+
+def test_split_columns_gives_each_device_its_slice():
+    """Device d's columns of the rows, read row-major, start with mat[:, d's slice] row-major; the
+    rest is zeros. One device: the matrix flattened into the rows, the single-device layout."""
+    mat = np.random.default_rng(0).normal(size=(5, 24)).astype(np.float32)
+    rows = -(-5 * 24 // 8)
+    out = tp.split_columns(mat, rows, 8, 2)
+    assert out.shape == (rows, 8)
+    for d in range(2):
+        local = out[:, d * 4:(d + 1) * 4].reshape(-1)
+        np.testing.assert_array_equal(local[:5 * 12], mat[:, d * 12:(d + 1) * 12].reshape(-1))
+        assert not local[5 * 12:].any()
+    np.testing.assert_array_equal(tp.split_columns(mat, rows, 8, 1).reshape(-1)[:120], mat.reshape(-1))
+
+
+def test_pack_adapter_split_holds_the_same_matrices(tmp_path):
+    """pack_adapter(tp=2) and pack_adapter(tp=1) hold the same A^T and scaled B of every module
+    and layer, each device's slice where tp.split_columns puts it."""
+    adapter = load_peft_adapter(random_peft_adapter(tmp_path / "a", CFG, rank=8, seed=3), CFG)
+    layout = AdapterLayout.of(adapter, CFG, page_size=16)
+    one, two = (pack_adapter(adapter, layout, CFG, np.float32, t) for t in (1, 2))
+    width = CFG.kv_size
+    for module, slot in layout.modules.items():
+        fin, fout = CFG.module_shape(module)
+        for row, n, f in ((slot.a_row, slot.a_rows, fin), (slot.b_row, slot.b_rows, fout)):
+            for layer in range(CFG.num_hidden_layers):
+                mat = one[layer, row:row + n].reshape(-1)[:slot.rank * f].reshape(slot.rank, f)
+                assert np.abs(mat).sum() > 0, (module, layer)  # random weights, never all-zero
+                np.testing.assert_array_equal(two[layer, row:row + n], tp.split_columns(mat, n, width, 2))
+
+
+def test_tensor_parallel_options():
+    """Clear errors: a split that does not divide the model, more devices than there are, and the
+    step forms that tensor parallel does not run."""
+    from slora_jax import LLM
+    with pytest.raises(ValueError, match="does not divide tiny's num_attention_heads"):
+        tp.TP.make(3, CFG)  # tiny: 4 heads, 2 K/V heads
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel=2)  # this process has one CPU device
+    from slora_jax import server
+    with pytest.raises(ValueError, match="needs 2 devices"):  # the server's flag reaches the engine
+        server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--no-warmup",
+                     "--tensor-parallel-size", "2"])
+    for bad in ({"compile_per_layer": True}, {"stable_buffers": True}, {"pack_inputs": True}):
+        with pytest.raises(ValueError, match="tensor_parallel=2"):
+            EngineOptions(tensor_parallel=2, **bad)
+    with pytest.raises(ValueError, match="positive integer"):
+        EngineOptions(tensor_parallel=0)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "tp.json"
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "tp_check.py"), str(out), "xla", "pallas"],
+                       env={**os.environ, **TWO_DEVICES}, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_tensor_parallel_serves_as_one_device(tp_run, backend):
+    """tensor_parallel=2 on two CPU devices, overlapped steps, after a warm-up that compiled every
+    step shape the batch meets: the weights split Megatron style and
+    the pool along W; a mixed batch (base rows, adapters of ranks 4-16 on attention only and on
+    every module) gives one device's tokens, and logprobs within 1e-5; an adapter registered at
+    run time serves and scores (prompt logits) as on one device; no K/V page is left behind."""
+    assert tp_run["devices"] == 2
+    runs = tp_run["runs"][backend]
+    one, two = runs["1"], runs["2"]
+    assert two["tokens"] == one["tokens"]
+    assert two["warmup_shapes"] > 0 and two["new_shapes_in_serving"] == 0
+    assert max(abs(a - b) for x, y in zip(one["logprobs"], two["logprobs"]) for a, b in zip(x, y)) < 1e-5
+    s = two["shardings"]
+    assert (s["q_proj"], s["o_proj"], s["pool"]) == ("P('tp', None)", "P(None, 'tp')", "P(None, None, None, 'tp')")
+    assert s["pool_shard"][-1] * 2 == s["pool_global"][-1] == CFG.kv_size
+    assert two["later_tokens"] == runs["one_device_later"]
+    for got, want in zip(two["prompt_logits"], runs["one_device_prompt_logits"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    pages = two["pages_after"]
+    assert pages["kv_pages"] == 0 and pages["free_pages"] + pages["adapter_pages"] == pages["total_pages"]
+
+
+@pytest.mark.oracle
+def test_tensor_parallel_parity_with_the_oracle(oracle):
+    """tests/test_parity.py (HF transformers + peft, both fixture models: MHA, and GQA with tied
+    embeddings and llama3 rope) again with tensor_parallel=2 on two CPU devices, on this session's
+    oracle outputs: every configuration but the two tensor parallel does not run."""
+    from tests.conftest import _cache_key, oracle_python
+    cache = oracle.root.parent.parent / "tp-oracle-cache"
+    link = cache / _cache_key(oracle_python())
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(oracle.root.parent, target_is_directory=True)
+    env = {**os.environ, **TWO_DEVICES, "SLORA_ORACLE_CACHE": str(cache),
+           "SLORA_TEST_LLM_OPTIONS": json.dumps({"tensor_parallel": 2})}
+    # not: the fused kernel (shrink and expand in one launch leave no place for the sum across the
+    # devices: tensor parallel runs them apart) and compile_per_layer (not with tensor parallel)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "-k", "not fused_lora and not per_layer", str(REPO / "tests" / "test_parity.py")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+    assert " failed" not in p.stdout and " error" not in p.stdout, p.stdout[-4000:]
