@@ -191,7 +191,8 @@ class EngineOptions(SchedulerOptions):
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel must be a positive integer, got {tp!r}")
         if tp > 1:
-            unsupported = [name for name in ("compile_per_layer", "pack_inputs", "stable_buffers") if getattr(self, name)]
+            unsupported = [name for name in ("compile_per_layer", "pack_inputs", "stable_buffers")
+                           if getattr(self, name)]
             unsupported += [f"{name}='triton'" for name in ("lora_backend", "prefill_lora_backend")
                             if getattr(self, name) == "triton"]
             if unsupported:
@@ -360,7 +361,7 @@ class Engine:
     @property
     def _replicated(self):
         """Where a step's small replicated arrays live: the pool's device, or every device of the mesh."""
-        return self.tp.sharding(tp_mod.P()) if self.tp is not None else self.kv[0].sharding
+        return self.tp.sharding(tp_mod.REPLICATED) if self.tp is not None else self.kv[0].sharding
 
     @property
     def running(self) -> list[Request]:

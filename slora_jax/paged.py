@@ -17,7 +17,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
@@ -431,16 +430,18 @@ def forward_sample_tp(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp):
 
 def _over_mesh(local, tp, params, pool, inp: StepInputs):
     """local(params, pool, inp) -> (new K/V, replicated output) under shard_map over tp's mesh."""
-    return jax.shard_map(local, mesh=tp.mesh, in_specs=(tp_mod.param_specs(params), [tp_mod.POOL] * len(pool), P()),
-                         out_specs=(tuple((tp_mod.KV, tp_mod.KV) for _ in pool), P()), check_vma=False)(params, pool, inp)
+    kv = tuple((tp_mod.KV, tp_mod.KV) for _ in pool)
+    return jax.shard_map(local, mesh=tp.mesh, check_vma=False,
+                         in_specs=(tp_mod.param_specs(params), [tp_mod.POOL] * len(pool), tp_mod.REPLICATED),
+                         out_specs=(kv, tp_mod.REPLICATED))(params, pool, inp)
 
 
 @functools.partial(jax.jit, static_argnames=("tp",), donate_argnums=0)
 def commit_kv_tp(pool: list[jax.Array], new_kv, kv_slot: jax.Array, *, tp) -> list[jax.Array]:
     """commit_kv on each device's columns of the pool and its heads' K/V."""
-    specs = [tp_mod.POOL] * len(pool)
-    return jax.shard_map(_write_kv_all, mesh=tp.mesh, in_specs=(specs, tuple((tp_mod.KV, tp_mod.KV) for _ in pool), P()),
-                         out_specs=specs, check_vma=False)(pool, new_kv, kv_slot)
+    specs, kv = [tp_mod.POOL] * len(pool), tuple((tp_mod.KV, tp_mod.KV) for _ in pool)
+    return jax.shard_map(_write_kv_all, mesh=tp.mesh, in_specs=(specs, kv, tp_mod.REPLICATED), out_specs=specs,
+                         check_vma=False)(pool, new_kv, kv_slot)
 
 
 # The same forward pass as one small jit per layer kind instead of one jit over the unrolled

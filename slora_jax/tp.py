@@ -85,6 +85,7 @@ def param_specs(params) -> dict:
 POOL = P(None, None, None, AXIS)   # a layer's pool [pages, 2, page_size, W]: split along W
 ROWS = P(None, None, AXIS)         # an adapter's packed rows [L, n, W], as they are scattered in
 KV = P(None, AXIS, None)           # a step's new K or V [T, kv_heads, head_dim]
+REPLICATED = P()                   # every device holds the whole array (step inputs, results)
 
 
 def shard_params(params, tp: TP):
