@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from slora_jax import tp
 from slora_jax.adapter_store import AdapterStore, host_cache_bytes
 from slora_jax.config import load_model_config
 from slora_jax.engine import Engine, EngineOptions
@@ -40,6 +41,8 @@ class LLM:
         self.options = EngineOptions(**options)
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
+        if self.options.tensor_parallel > 1:  # split now: the whole copy is freed before the pool is sized
+            self.params = tp.shard_params(self.params, tp.TP.make(self.options.tensor_parallel, self.cfg))
         self.tokenizer = load_tokenizer(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
         self._rng = np.random.default_rng(seed)
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
@@ -48,7 +51,6 @@ class LLM:
                                   host_cache_bytes=host_cache_bytes(self.options.host_cache_gb),
                                   stage_workers=self.options.stage_workers, tp=self.options.tensor_parallel)
         self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
-        self.params = self.engine.params  # placed over the mesh under tensor_parallel (no second copy)
         if adapters:
             self.load_adapters(adapters)
 
