@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from slora_jax.config import TARGET_MODULES, ModelConfig
+from slora_jax.tp import split_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,6 @@ def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: in
 
 
 def _pack_split(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: int) -> np.ndarray:
-    from slora_jax.tp import split_columns
     width = cfg.kv_size
     out = np.zeros((cfg.num_hidden_layers, layout.rows, width), dtype)
     for (layer, module), w in adapter.weights.items():

@@ -320,20 +320,19 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
     def apply(layer, module, x, y, _kv):
         if module not in lora.rows:
             return y
+        fin, fout = (f // tp for f in cfg.module_shape(module))  # one device's share of A and B
         if tp == 1:
-            return apply_local(layer, module, x, x, y)
-        fin, fout = (f // tp for f in cfg.module_shape(module))
+            return apply_local(layer, module, x, x, y, fin, fout)
         d = jax.lax.axis_index(tp_mod.AXIS)
         if module in tp_mod.COLUMN:  # x whole on every device, y this device's columns
-            return apply_local(layer, module, x, jax.lax.dynamic_slice_in_dim(x, d * fin, fin, axis=1), y)
-        part = apply_local(layer, module, x, x, jax.lax.dynamic_slice_in_dim(y, d * fout, fout, axis=1))
+            return apply_local(layer, module, x, jax.lax.dynamic_slice_in_dim(x, d * fin, fin, axis=1), y, fin, fout)
+        part = apply_local(layer, module, x, x, jax.lax.dynamic_slice_in_dim(y, d * fout, fout, axis=1), fin, fout)
         return jax.lax.dynamic_update_slice_in_dim(y, part, d * fout, axis=1)  # before the base sum
 
-    def apply_local(layer, module, key, x, y):
+    def apply_local(layer, module, key, x, y, fin, fout):
         """y + the delta of x (this device's slices of both under tp); key: the model's x, by
         which q, k and v share one shrink."""
         a_rows, b_rows = lora.rows[module]
-        fin, fout = (f // tp for f in cfg.module_shape(module))
         if lora.backend == "xla":
             xa = reduce(lora_xla_shrink(x, pool[layer], a_rows, lora.ranks[module], lora.token_slot,
                                         lora.max_rank, fin))
