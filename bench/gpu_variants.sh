@@ -198,10 +198,12 @@ case $group in
     ;;
   table3-s1|table3-s2|table3-s4)
     # The rest of the paper's Table 3 (S-LoRA on an A100-80GB at R = 10, S4 at R = 6; alpha 1,
-    # cv 1) with the base model on the same trace, one process a workload. 60 s traces instead of
-    # the paper's 120 s, so that a workload fits one call (~95 s a variant after ~100 s of load and
-    # compile); the table's earlier rows (S1 n = 2000, S2 n = 1000) came from 40-120 s traces.
-    short=(--duration-s 60 --max-wall-s 90 --warmup-s 5 --no-requests)
+    # cv 1) with the base model on the same trace, one process a workload. T3_DURATION_S (default
+    # 40) s traces instead of the paper's 120 s, so that a workload fits one call (~65 s a variant
+    # after ~100 s of load and compile); the table's earlier rows (S1 n = 2000, S2 n = 1000) came
+    # from 40-120 s traces.
+    t3=${T3_DURATION_S:-40}
+    short=(--duration-s "$t3" --max-wall-s $((t3 + 20)) --warmup-s 5 --no-requests)
     case $group in
       table3-s1) variants --workload "S1$WL" --n 1000 --rate 10 "${short[@]}" \
         --variant "S1-unified-n5-R10-t3:--n 5" --variant "S1-unified-n100-R10-t3:--n 100" \
