@@ -713,8 +713,8 @@ def _check_block_t(block_t: int, mbgmv: bool = False):
 def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_features, interpret, block_t,
             max_programs):
     """xa of one module (a_rows [Sa, RA], ranks [Sa]) or of G modules sharing x (a_rows [G, Sa, RA],
-    ranks [G, Sa]): [T', G * Rw], module g's columns from g * Rw; T' >= T and Rw >= max_rank (with
-    split_k > 1 both are padded to whole tiles). The schedule covers the slots live in any module."""
+    ranks [G, Sa]): [T', G * Rw], module g's columns from g * Rw; Rw is max_rank padded to whole rank
+    tiles, T' >= T (padded to whole blocks with split_k > 1). The schedule covers the slots live in any module."""
     t, width = x.shape[0], rows.shape[1]
     blocks = BLOCKS["shrink"]
     cap = BLOCKS["mbgmv"]["col_tile"] if block_t == 1 else blocks["col_tile"]
@@ -732,9 +732,11 @@ def _shrink(x, rows, a_rows, ranks, seg_starts, schedule, *, max_rank, in_featur
     split_k = blocks.get("split_k", 1) if t <= blocks.get("split_k_max_tokens", t) else 1
     split_k = max(1, min(split_k, in_features // col_tile))
     tiles = pl.cdiv(max_rank, rank_tile)
-    # split_k > 1: xa padded to whole tiles (atomic adds take no mask in interpret mode);
-    # split_partials: one plane of partial sums per split, plain stores instead of atomic adds
-    rows_out, module_cols = (t, max_rank) if split_k == 1 else (t + block_t, tiles * rank_tile)
+    # Each module's columns padded to whole rank tiles, so that an expand's tile loads stay inside
+    # xa (a max rank below one tile included); split_k > 1: the rows too (atomic adds take no mask
+    # in interpret mode); split_partials: one plane of partial sums per split, plain stores instead
+    # of atomic adds
+    rows_out, module_cols = (t if split_k == 1 else t + block_t), tiles * rank_tile
     partials = split_k > 1 and blocks.get("split_partials", False)
     kernel = functools.partial(
         _shrink_kernel, n_programs=n_programs, block_t=block_t, rank_tile=rank_tile,
@@ -770,6 +772,9 @@ def _expand(y, xa, rows, b_rows, ranks, seg_starts, schedule, *, max_rank, out_f
         rank_tile = BLOCKS["mbgmv"].get("expand_rank_tile") or rank_tile
         col_cap = BLOCKS["mbgmv"].get("expand_col_tile") or col_cap
     col_tile = _col_tile(width, out_features, col_cap)
+    short = xa_col + pl.cdiv(max_rank, rank_tile) * rank_tile - xa.shape[-1]
+    if short > 0:  # a rank tile's static slice must lie inside xa (masked columns read as zero)
+        xa = jnp.pad(xa, [(0, 0)] * (xa.ndim - 1) + [(0, short)])
     ranks, sched, total, nb, n_programs = _plan_blocks(ranks, seg_starts, t, max_rank, block_t, max_programs,
                                                        schedule, clamp=False)
     kernel = functools.partial(

@@ -582,6 +582,41 @@ def test_grouped_apply_matches_each_module(monkeypatch, split_k, compact, early,
         jax.clear_caches()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["shrink_then_expand", "grouped_apply"])
+def test_max_rank_below_a_rank_tile_without_split_k(monkeypatch, grouped):
+    """A max rank below one rank tile (S1's rank-8 adapters) where the shrink does not split K
+    (prefill calls past split_k_max_tokens): the expand's rank-tile slice of xa must stay inside
+    xa. Once it ran past a grouped xa's last module (start 16, size 16, width 24) and the Triton
+    lowering refused the trace; lora_shrink's own xa ([T, max_rank]) is narrower still."""
+    monkeypatch.setitem(lora.BLOCKS, "shrink", {**lora.BLOCKS["shrink"], "split_k": 1})
+    jax.clear_caches()  # BLOCKS is read at trace time
+    try:
+        cases = [Case(ranks=r, lens=(1, 5, 0, 13, 9, 3)) for r in [(8, 1, 4, 8, 2, 0), (0, 8, 8, 3, 1, 0),
+                                                                   (4, 0, 8, 8, 8, 0)]]
+        made = [make_inputs(c, jnp.float32, seed_of("rank8", i), max_rank=8) for i, c in enumerate(cases)]
+        arr, seg = made[0][0], made[0][3]
+        x, ys = arr["x"], [jnp.asarray(np.random.default_rng(i).normal(size=(TOKENS, c.fout)), jnp.float32)
+                           for i, c in enumerate(cases)]
+        if grouped:  # the modules in one pool, module i's rows from i * POOL_ROWS
+            rows = jnp.concatenate([m[0]["rows"] for m in made])
+            got = lora.lora_apply_group(
+                ys, x, rows, [m[0]["a_rows"] + i * POOL_ROWS for i, m in enumerate(made)],
+                [m[0]["b_rows"] + i * POOL_ROWS for i, m in enumerate(made)], [m[0]["ranks"] for m in made],
+                arr["seg_starts"], max_rank=8, fin=64, fouts=[c.fout for c in cases], interpret=True)
+        else:
+            got = []
+            for y, c, (a, *_) in zip(ys, cases, made):
+                xa = lora.lora_shrink(x, a["rows"], a["a_rows"], a["ranks"], a["seg_starts"], max_rank=8,
+                                      in_features=64, interpret=True)
+                assert xa.shape[1] == 8
+                got.append(lora.lora_expand(y, xa, a["rows"], a["b_rows"], a["ranks"], a["seg_starts"], max_rank=8,
+                                            out_features=c.fout, interpret=True))
+        for i, (c, m) in enumerate(zip(cases, made)):
+            assert_applied(got[i], ys[i], {**m[0], "x": x}, m[1], m[2], seg, m[4], c.fout, jnp.float32)
+    finally:
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("hosted", [False, True], ids=["graph_schedule", "host_schedule"])
 def test_fused_group_matches_each_module(hosted):
     """lora_fused_delta: q, k and v (one x, one fout) with other ranks per module and a slot only
