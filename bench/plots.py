@@ -73,20 +73,28 @@ def sweeps(runs: list[dict], free: str) -> dict[tuple, list[dict]]:
             if len({r["workload"][free] for r in v}) > 1}
 
 
+# Trace parameters that only pick adapters (how many, how skewed): the base model's run serves the
+# same requests whatever they are, so one base run stands beside a sweep over either.
+ADAPTERS_ONLY = ("n", "alpha")
+
+
 def references(runs: list[dict], groups: dict[tuple, list[dict]], free: str, metric: str) -> list[tuple]:
-    """(label, value) of the base-model runs beside a sweep over n: the base model has no n, so it
-    is one run of the same workload, commit, rate, alpha and cv as the swept unified runs."""
-    if free != "n":
+    """(label, value) of the base-model runs beside a sweep over n or alpha: the base model has
+    neither, so it is one run of the same workload, commit, rate and cv as the swept unified runs."""
+    if free not in ADAPTERS_ONLY:
         return []
-    wanted = {(k[0], k[2], str(rs[0].get("commit"))[:7], *k[4:]) for k, rs in groups.items() if k[1] == "unified"}
+    kept = [k for k in SWEPT if k not in ADAPTERS_ONLY]
+    wanted = {(k[0], k[2], str(rs[0].get("commit"))[:7],
+               *(v for name, v in zip([s for s in SWEPT if s != free], k[4:]) if name in kept))
+              for k, rs in groups.items() if k[1] == "unified"}
     out = []
     for r in runs:
         if r.get("kind") != "trace" or r.get("mode") != "base" or "metrics" not in r:
             continue
         w = r["workload"]
-        key = (w["name"], w["model"], str(r.get("commit"))[:7], *(w[k] for k in SWEPT if k != "n"))
+        key = (w["name"], w["model"], str(r.get("commit"))[:7], *(w[k] for k in kept))
         if key in wanted:
-            rest = " ".join(f"{k}={w[k]}" for k in SWEPT if k != "n")
+            rest = " ".join(f"{k}={w[k]}" for k in kept)
             out.append((f"{w['name']} base model {rest} [{str(r.get('commit'))[:7]}]", r["metrics"][metric]))
     return out
 
@@ -124,7 +132,8 @@ def plot_sweep(runs, free: str, metric: str, ylabel: str, path: Path, logx=False
         ax.axhline(value, color=color, ls=":", lw=1.2, label=label)
     if logx:
         _log_x(ax)
-    ax.set_xlabel({"n": "adapters (n)", "rate": "offered rate R (req/s)"}.get(free, free))
+    ax.set_xlabel({"n": "adapters (n)", "rate": "offered rate R (req/s)",
+                   "alpha": "popularity exponent alpha (adapter int(n * power(alpha)))"}.get(free, free))
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel} vs {free}  ({_device(runs)})", fontsize=10)
     ax.grid(alpha=0.3)
@@ -235,6 +244,8 @@ def main(argv=None) -> list[Path]:
     written = []
     if plot_sweep(runs, "n", "throughput_req_s", "throughput (req/s)", out_dir / "throughput_vs_n.png", logx=True):
         written.append(out_dir / "throughput_vs_n.png")
+    if plot_sweep(runs, "alpha", "throughput_req_s", "throughput (req/s)", out_dir / "throughput_vs_alpha.png"):
+        written.append(out_dir / "throughput_vs_alpha.png")
     if plot_sweep(runs, "rate", "slo_attainment", "SLO attainment", out_dir / "slo_vs_rate.png", hline=0.9):
         written.append(out_dir / "slo_vs_rate.png")
     written += plot_ttft_cdf(runs, out_dir)

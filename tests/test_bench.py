@@ -296,8 +296,16 @@ def test_plots_from_run_jsons(s1_cpu, tmp_path):
     refs = plots.references(runs, plots.sweeps(runs, "n"), "n", "throughput_req_s")
     assert [v for _, v in refs] == [base["metrics"]["throughput_req_s"]], refs
     assert plots.references(runs, plots.sweeps(runs, "rate"), "rate", "slo_attainment") == []
+    assert plots.references(runs, plots.sweeps(runs, "alpha"), "alpha", "throughput_req_s") == []  # no alpha sweep
+    d = json.loads(json.dumps(base))
+    d["workload"]["alpha"], d["metrics"]["throughput_req_s"] = 0.1, 0.6  # an alpha sweep beside s1.json
+    (tmp_path / "alpha0.1.json").write_text(json.dumps(d))
+    runs = plots.load([str(tmp_path)])
+    refs = plots.references(runs, plots.sweeps(runs, "alpha"), "alpha", "throughput_req_s")
+    assert [v for _, v in refs] == [base["metrics"]["throughput_req_s"]], refs
     written = {p.name for p in plots.main([str(tmp_path)])}
-    assert {"throughput_vs_n.png", "slo_vs_rate.png", "ttft_cdf_S1-cpu.png", "summary.md"} <= written
+    assert {"throughput_vs_n.png", "throughput_vs_alpha.png", "slo_vs_rate.png", "ttft_cdf_S1-cpu.png",
+            "summary.md"} <= written
     text = (tmp_path / "summary.md").read_text()
     assert "S1-cpu" in text and "| S1-cpu | 3 |" in text  # the unified/base ratio row
 
