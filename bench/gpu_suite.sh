@@ -74,7 +74,9 @@ part() {
     echo "[suite] $name: done in $(( $(date +%s) - t0 ))s"
     grep -E '^\s+(throughput|generated|SLO|TTFT p99|completed)|tok/s' "$RES/$name.log" | head -12
   else
-    rm -f "$json.part"
+    # what a cut-short part saved (hf_peft.py writes its JSON after every row, marked incomplete)
+    # is kept beside, not counted as done
+    [[ -f $json.part ]] && mv "$json.part" "$RES/$name.partial.json"
     { echo "exit $rc after $(( $(date +%s) - t0 ))s: $*"; tail -30 "$RES/$name.log"; } > "$RES/$name.failed"
     echo "[suite] $name: FAILED (exit $rc); tail of the log:"; tail -8 "$RES/$name.log"
   fi

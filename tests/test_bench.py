@@ -14,9 +14,11 @@ import http.server
 import json
 import shlex
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -428,6 +430,34 @@ def test_hf_peft_baseline_smoke(tmp_path):
         assert r["generated_tokens"] == r["batch"] * r["gen_len"] and r["gen_tok_s"] > 0
     assert d["merged"][1]["batches"] == 4
     assert all(r["merged_matches_unmerged"] for r in d["merged"])
+    assert d["complete"] is True
+
+
+@pytest.mark.skipif(_torch_python() is None, reason="no python with torch+transformers+peft "
+                                                    "(SLORA_ORACLE_PYTHON or .venv-oracle)")
+def test_hf_peft_keeps_finished_rows_when_cut_short(tmp_path):
+    """A run stopped by its timeout (SIGINT, as gpu_suite sends) inside the merged part leaves a
+    JSON with the rows it finished, marked incomplete: a GPU call's measurements survive it."""
+    out = tmp_path / "hf.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1")
+    p = subprocess.Popen([_torch_python(), str(REPO / "bench" / "baselines" / "hf_peft.py"), "--smoke",
+                          "--part", "all", "--merged-mixed", "1," + ",".join(["4"] * 20000), "--out", str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # until the first merged row is saved
+            if out.exists() and json.loads(out.read_text()).get("merged"):  # written by rename: whole
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    d = json.loads(out.read_text())
+    assert d["complete"] is False
+    assert [r["what"] for r in d["mixed"]] == ["base", "single", "mixed-1", "mixed-4"]
+    assert d["merged"] and d["merged"][0]["what"] == "merged-1" and len(d["merged"]) < 20001
 
 
 def test_ceiling_mean_context_and_bytes():

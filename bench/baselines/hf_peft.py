@@ -134,9 +134,10 @@ class Bench:
             rows.append(self._row(f"mixed-{k}", k, sec, n))
         return rows
 
-    def merged(self) -> list[dict]:
-        """(c): one batch per adapter, merged weights, swapped between batches."""
-        rows = []
+    def merged(self, rows: list[dict] | None = None, on_row=lambda: None) -> list[dict]:
+        """(c): one batch per adapter, merged weights, swapped between batches. Each row is
+        appended to `rows` as it finishes, then on_row() runs (main saves the JSON there)."""
+        rows = [] if rows is None else rows
         for k in self.args.merged_mixed:
             names = self.row_names(k)
             groups: dict[str, list[int]] = {}
@@ -166,6 +167,7 @@ class Bench:
             if self.args.check:
                 row["merged_matches_unmerged"] = self._check(names, outs, groups)
             rows.append(row)
+            on_row()
         return rows
 
     def _check(self, names, outs, groups) -> bool:
@@ -223,13 +225,23 @@ def main(argv=None) -> dict:
               "rank": args.rank, "targets": TARGETS}
     b = Bench(args)
     result["setup_s"] = b.setup_s
+    result["complete"] = False
+
+    def save():  # after every part and merged row: a run cut short by its timeout keeps what it measured
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=1))
+            tmp.replace(out)  # a reader never sees half a file
     if args.part in ("mixed", "all"):
         result["mixed"] = b.mixed()
+        save()
     if args.part in ("merged", "all"):
-        result["merged"] = b.merged()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        result["merged"] = []
+        b.merged(result["merged"], save)
+    result["complete"] = True
+    save()
     return result
 
 
