@@ -1,0 +1,37 @@
+"""Every step shape the GPU benchmark's warm-up compiles for a shipped workload traces on the CPU.
+
+bench/run.py first compiles all of its engine's step buckets (Engine.warmup_shapes) with the
+workload's [engine] table and the GPU's backends (hybrid decode LoRA, Pallas prefill LoRA and
+attention). A kernel that refuses one of those shapes at trace time costs a GPU call: S1's rank-8
+adapters once failed in the warm-up of a 512-token prefill step (the expand's rank tile ran past
+the shrink's xa; session 23). Here the tiny model takes each workload's engine table and adapters
+of its ranks, and every warm-up shape is traced (not compiled, not run) with the kernels in
+interpret mode, which checks the same static bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.trace import load_workload
+from slora_jax import LLM, paged
+from slora_jax.adapters import random_peft_adapter
+from slora_jax.config import load_model_config
+
+
+@pytest.mark.parametrize("workload", ["S1", "S2", "S4"])
+def test_warmup_shapes_trace_with_gpu_backends(workload, tmp_path):
+    w = load_workload(workload)
+    cfg = load_model_config("tiny")
+    llm = LLM("tiny", dtype="float32", lora_backend="hybrid", attention_backend="pallas",
+              prefill_lora_backend="pallas", pool_pages=256, **w.engine_options)
+    for r in sorted(set(w.ranks)):
+        llm.load_adapter(f"rank{r}", random_peft_adapter(tmp_path / f"r{r}", cfg, rank=r, seed=r,
+                                                         targets=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    eng = llm.engine
+    shapes = eng.warmup_shapes(max_context=w.input_range[1] + w.output_range[1])
+    with_lora = [inp for inp in shapes if inp.lora is not None]
+    assert with_lora and any(not inp.decode for inp in with_lora), "no LoRA prefill shape to trace"
+    assert max(inp.tokens.shape[0] for inp in with_lora if not inp.decode) > 256  # past split-K's limit
+    for inp in shapes:
+        paged.forward_sample.trace(eng.params, eng.kv, eng._device_inputs(inp), cfg=eng.cfg)
