@@ -34,6 +34,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | tuple | None = 2
+    # Mistral-style sliding-window attention (config.json's sliding_window; None: full attention).
+    # The engine attends to the whole context, which is exact while a sequence fits the window, so
+    # it keeps sequences within it (context_limit).
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -50,6 +54,14 @@ class ModelConfig:
             kind = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
             if kind not in ("llama3", "linear", "default"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this engine serves exactly: max_position_embeddings, or the
+        sliding window if that is shorter."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -125,6 +137,8 @@ def load_model_config(model: "str | os.PathLike | ModelConfig") -> ModelConfig:
             raise ValueError(f"{path}/config.json: model_type {arch!r} is not a Llama-family model")
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise ValueError(f"{path}/config.json: attention_bias/mlp_bias are not supported")
+        if d.get("use_sliding_window") is False:  # a window that is written down but not used
+            d = {**d, "sliding_window": None}
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{path}/config.json: hidden_act {act!r} is not supported (silu)")

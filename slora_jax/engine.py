@@ -614,7 +614,7 @@ class Engine:
         and write of these inputs goes to the null page. Not covered (compiled on first use):
         prefill steps that continue a split prompt (pooled context), and mixed steps."""
         o = self.opts
-        ctx = max_context or min(self.cfg.max_position_embeddings, 4096)
+        ctx = max_context or min(self.max_model_len, 4096)
         module_sets = self._module_sets() if lora else []
         shapes = []
         s = _pow2(o.min_decode_batch)

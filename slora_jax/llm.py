@@ -39,7 +39,12 @@ class LLM:
         self.dtype = dtype
         self.cfg = load_model_config(model)
         self.options = EngineOptions(**options)
-        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.max_model_len = max_model_len or self.cfg.context_limit
+        window = self.cfg.sliding_window
+        if window is not None and self.max_model_len > window:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding_window={window}: "
+                             f"sliding-window attention is not implemented, and full attention equals it only "
+                             f"while a sequence fits the window, so sequences are kept to {window} tokens")
         self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
         if self.options.tensor_parallel > 1:  # split now: the whole copy is freed before the pool is sized
             self.params = tp.shard_params(self.params, tp.TP.make(self.options.tensor_parallel, self.cfg))

@@ -248,6 +248,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        **({"sliding_window": cfg.sliding_window} if cfg.sliding_window is not None else {}),
     }
 
 

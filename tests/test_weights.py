@@ -97,6 +97,36 @@ def test_config_json_round_trip(tmp_path, p32):
     assert load_model_config(tmp_path) == dataclasses.replace(cfg, name=tmp_path.name)
 
 
+def test_sliding_window_keeps_sequences_within_it(tmp_path, p32):
+    """A Mistral-style config.json with sliding_window: full attention equals the window's only
+    while a sequence fits it, so max_model_len defaults to the window, a larger one is refused with
+    the reason, and a request past it is refused like any over max_model_len. use_sliding_window
+    false (a window written down but unused) changes nothing."""
+    from slora_jax import LLM, SamplingParams
+    W.save_hf_weights(p32, CFG, tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16,
+             max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = load_model_config(tmp_path)
+    assert cfg.sliding_window == 16 and cfg.context_limit == 16 and cfg.max_position_embeddings == 64
+    assert W.hf_config_dict(cfg)["sliding_window"] == 16  # written back as read
+    opts = dict(dtype="float32", page_size=4, pool_pages=64)
+    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's sliding_window=16"):
+        LLM(tmp_path, max_model_len=32, **opts)
+    assert LLM(tmp_path, max_model_len=8, **opts).max_model_len == 8
+    llm = LLM(tmp_path, **opts)
+    assert llm.max_model_len == 16
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate([[5] * 10], sp)[0].token_ids) == 6   # 16 tokens: inside the window
+    with pytest.raises(ValueError, match="max_model_len=16"):
+        llm.generate([[5] * 11], sp)                                 # 17 tokens: past it
+    d["use_sliding_window"] = False
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = load_model_config(tmp_path)
+    assert cfg.sliding_window is None and cfg.context_limit == 64
+
+
 def test_fp32_checkpoint_loaded_as_bf16_equals_cast(tmp_path, p32):
     W.save_hf_weights(p32, CFG, tmp_path)
     loaded = W.load_hf_weights(tmp_path, CFG, jnp.bfloat16)
