@@ -84,16 +84,17 @@ def references(runs: list[dict], groups: dict[tuple, list[dict]], free: str, met
     if free not in ADAPTERS_ONLY:
         return []
     kept = [k for k in SWEPT if k not in ADAPTERS_ONLY]
-    wanted = {(k[0], k[2], str(rs[0].get("commit"))[:7],
-               *(v for name, v in zip([s for s in SWEPT if s != free], k[4:]) if name in kept))
-              for k, rs in groups.items() if k[1] == "unified"}
+
+    def key(r: dict) -> tuple:
+        w = r["workload"]
+        return (w["name"], w["model"], str(r.get("commit"))[:7], *(w[k] for k in kept))
+    wanted = {key(r) for rs in groups.values() for r in rs if r["mode"] == "unified"}
     out = []
     for r in runs:
         if r.get("kind") != "trace" or r.get("mode") != "base" or "metrics" not in r:
             continue
         w = r["workload"]
-        key = (w["name"], w["model"], str(r.get("commit"))[:7], *(w[k] for k in kept))
-        if key in wanted:
+        if key(r) in wanted:
             rest = " ".join(f"{k}={w[k]}" for k in kept)
             out.append((f"{w['name']} base model {rest} [{str(r.get('commit'))[:7]}]", r["metrics"][metric]))
     return out

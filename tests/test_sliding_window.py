@@ -13,6 +13,7 @@ import dataclasses
 import subprocess
 
 import numpy as np
+import pytest
 
 from conftest import ORACLE_DIR, _oracle_env, oracle_python
 from slora_jax import LLM
@@ -24,7 +25,6 @@ WINDOW = 16
 def test_mistral_sliding_window_against_transformers(tmp_path):
     py = oracle_python()
     if py is None:
-        import pytest
         pytest.skip("no oracle interpreter (SLORA_SKIP_ORACLE=1)")
     p = subprocess.run([py, str(ORACLE_DIR / "mistral_window.py"), str(tmp_path)], env=_oracle_env(),
                        capture_output=True, text=True, timeout=300)

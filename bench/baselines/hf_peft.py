@@ -134,10 +134,9 @@ class Bench:
             rows.append(self._row(f"mixed-{k}", k, sec, n))
         return rows
 
-    def merged(self, rows: list[dict] | None = None, on_row=lambda: None) -> list[dict]:
-        """(c): one batch per adapter, merged weights, swapped between batches. Each row is
-        appended to `rows` as it finishes, then on_row() runs (main saves the JSON there)."""
-        rows = [] if rows is None else rows
+    def merged(self):
+        """(c): one batch per adapter, merged weights, swapped between batches; yields each row as
+        it finishes (main saves the JSON after every one)."""
         for k in self.args.merged_mixed:
             names = self.row_names(k)
             groups: dict[str, list[int]] = {}
@@ -166,9 +165,7 @@ class Bench:
             row.update(batches=len(groups), swap_s=swap, generate_s=gen)
             if self.args.check:
                 row["merged_matches_unmerged"] = self._check(names, outs, groups)
-            rows.append(row)
-            on_row()
-        return rows
+            yield row
 
     def _check(self, names, outs, groups) -> bool:
         """Greedy tokens of the merged batches equal the unmerged mixed path's (exact in float32)."""
@@ -239,7 +236,9 @@ def main(argv=None) -> dict:
         save()
     if args.part in ("merged", "all"):
         result["merged"] = []
-        b.merged(result["merged"], save)
+        for row in b.merged():
+            result["merged"].append(row)
+            save()
     result["complete"] = True
     save()
     return result
