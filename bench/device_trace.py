@@ -41,7 +41,10 @@ def device_events(trace_dir: str) -> list[dict]:
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = [pid for pid, n in procs.items() if "gpu" in n.lower() or "device" in n.lower()]
+    # Device tracks with events; a GPU build's profiler may name an empty GPU track in a CPU run
+    # (JAX_PLATFORMS=cpu on the GPU machine), and then the CPU client's threads are the device.
+    busy = {e["pid"] for e in events if e.get("ph") == "X"}
+    gpu = [pid for pid, n in procs.items() if ("gpu" in n.lower() or "device" in n.lower()) and pid in busy]
 
     def on_device(e) -> bool:
         if gpu:
