@@ -51,6 +51,10 @@ reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2);
 JSON, and a "!" marks a failed check in the table. A case's "speedup" is each other variant's time
 over pallas' (speedup["triton"] > 1: pallas is faster than triton).
 
+`--read-floor` also times bench/read_floor.py on each case's rows: the A^T and B rows gathered and
+summed, nothing else, in one launch and in two (A, then B): what any pair that reads them from the
+pool can show at most on this measure (JSON "read_floor"; the targets line).
+
 Paged decode attention: B = 64 sequences of 1024 context tokens each in a pool [pages, 2, ps, W],
 pages in random order, page sizes 16 and 1; GQA (llama-3-8b per layer: 32 q heads, 8 kv heads,
 d 128) and MHA (llama-7b: 32/32); the Pallas kernel against paged_decode_attention_reference.
@@ -82,6 +86,7 @@ import numpy as np  # noqa: E402
 from bench.device_trace import busy_span, traced  # noqa: E402
 from bench.engine_bench import copy_bandwidth  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
+from bench import read_floor as rf  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
 from pallas_kernels.lora import lora_delta  # noqa: E402
 from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
@@ -328,6 +333,52 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
     return _add_fracs(res, 4 * n, bw)
 
 
+def paged_read_floor(pool: LoraPool, sets: list[dict], nbytes: int, bw: float, opts) -> dict:
+    """bench/read_floor.py on the case's own sets: its A^T and B rows gathered and nothing else, in
+    one launch (A and B rows) and in two launches one after the other on the stream (A rows, then
+    B rows: the order a two-launch pair must keep), each the best over rf.TILINGS by the device's
+    busy time where traced (else the wall clock); a pool narrower than every
+    tiling (--quick) reads whole rows. Bytes: the case's (nbytes), so its fractions
+    read beside the pair's as the most that pair could show. Each tiling's output is checked
+    against rf.read_reference on the first set."""
+    idx = [rf.live_rows(s["a_rows"], s["b_rows"], s["ranks"], pool.fin, pool.fout, pool.width) for s in sets]
+    idx_sets = [tuple(jnp.asarray(v) for v in (a, b, np.concatenate([a, b]))) for a, b in idx]
+    interp = opts["interpret"]
+    out: dict = {"rows": [int(len(a)) for a in idx[0]]}
+    for form in ("one_launch", "two_launches"):
+        tried = {}
+        for col_tile, splits in [t for t in rf.TILINGS if pool.width % (t[0] * t[1]) == 0] or [(pool.width, 1)]:
+            kw = dict(col_tile=col_tile, splits=splits, interpret=interp)
+
+            def fn(rows, s, kw=kw, form=form):
+                if form == "one_launch":
+                    return rf.paged_read(rows, s[2], **kw)
+                return rf.paged_read(rows, s[0], **kw), rf.paged_read(rows, s[1], **kw)
+            try:
+                res, outs = run_variant(fn, pool.rows, idx_sets, iters=opts["iters"], warmup=opts["warmup"],
+                                        iter_s=opts["iter_s"], device_time=opts.get("device_time", False))
+            except Exception as e:  # noqa: BLE001: one tiling failing must not lose the others
+                tried[f"{col_tile}x{splits}"] = {"error": _err(e)}
+                continue
+            got = outs[0] if form == "one_launch" else jnp.concatenate(outs[0])
+            a, b, ab = idx_sets[0]
+            want = rf.read_reference(pool.rows, ab, splits=splits) if form == "one_launch" else \
+                jnp.concatenate([rf.read_reference(pool.rows, v, splits=splits) for v in (a, b)])
+            res["rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            res["ok"] = res["rel_err"] < 1e-3
+            tried[f"{col_tile}x{splits}"] = _add_fracs(res, nbytes, bw)
+            del outs
+
+        def cost(r):
+            return (r.get("device") or {}).get("busy_us") or r["us"]
+        good = {k: r for k, r in tried.items() if r.get("ok")}
+        best = min(good, key=lambda k: cost(good[k])) if good else None
+        out[form] = {"best": best, **(good[best] if best else {}),
+                     "tilings": {k: ({"us": r["us"], "busy_us": (r.get("device") or {}).get("busy_us"),
+                                      "ok": r["ok"]} if "us" in r else r) for k, r in tried.items()}}
+    return out
+
+
 def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) -> dict:
     fin, fout, rmax = pool.fin, pool.fout, pool.max_rank
     ydt = jnp.dtype(opts.get("y_dtype", "float32"))
@@ -398,6 +449,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
                   sets_of, by["total"], bw, opts)
     padded_sets.clear()
     same = same_bytes_copy(by["total"], k_sets, bw, opts)
+    floor = paged_read_floor(pool, sets, by["total"], bw, opts) if opts.get("read_floor") else None
     ranks = [pool.cycle[s % len(pool.cycle)] for s in range(n)]
     out = {"module": pool.name, "fin": fin, "fout": fout, "tokens": t, "adapters": n, "y_dtype": ydt.name,
            "ranks": sorted(set(ranks)), "mixed_ranks": len(set(ranks)) > 1, "max_rank": rmax,
@@ -405,7 +457,7 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
            "set_bytes": set_bytes, "sets_exceed_l2": k_sets * set_bytes > L2_BYTES,
            "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, 256),
                                 lora_kernels._col_tile(pool.width, fout, 128)) >= 16,
-           "variants": {v: res[v] for v in VARIANTS}, "same_bytes_copy": same}
+           "variants": {v: res[v] for v in VARIANTS}, "same_bytes_copy": same, "read_floor": floor}
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
                               if p and "us" in p and res[other] and "us" in res[other] else None)
@@ -489,6 +541,10 @@ def targets(result: dict, o) -> list[dict]:
                 "wall": {c["module"]: _frac(c["variants"]["pallas"]) for c in cases},
                 # one copy kernel moving the same bytes: the practical ceiling at this size
                 "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases},
+                # --read-floor: the case's rows gathered and nothing else (one launch; two in order)
+                "read_floor": {c["module"]: {f: _frac(c["read_floor"][f].get("device") if on_device
+                                                      else c["read_floor"][f]) for f in ("one_launch", "two_launches")}
+                               for c in cases if c.get("read_floor")},
                 # --device-time: the same on the device's own kernel time (no host dispatch, no gaps)
                 "device": {c["module"]: {"pallas": _frac((c["variants"]["pallas"] or {}).get("device")),
                                          "same_bytes_copy": _frac((c.get("same_bytes_copy") or {}).get("device"))}
@@ -607,6 +663,9 @@ def table(result: dict) -> str:
                 t.get("same_bytes_copy") or {}
             if copies:
                 detail += "; one copy kernel of the same bytes: " + ", ".join(f"{k} {_pct(f)}" for k, f in copies.items())
+            if t.get("read_floor"):
+                detail += "; the rows' gather alone (one launch / two): " + ", ".join(
+                    f"{k} {_pct(f['one_launch'])} / {_pct(f['two_launches'])}" for k, f in t["read_floor"].items())
             if on_device:
                 detail += "; on the wall clock: " + ", ".join(
                     f"{k} {_pct(f)} (copy {_pct(t['same_bytes_copy'].get(k))})" for k, f in t["wall"].items())
@@ -618,6 +677,15 @@ def table(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _floor_cell(f: dict) -> str:
+    """A read-floor form's best tiling: device busy us (else wall us) and its share of copy bw."""
+    if not f.get("best"):
+        return "n/a"
+    d = f.get("device") or {}
+    us, frac = (d["busy_us"], d.get("frac_copy")) if d.get("busy_us") else (f["us"], f.get("frac_copy"))
+    return f"{us:.1f} us {_pct(frac)} ({f['best']})"
 
 
 def _ints(text: str | None, default):
@@ -649,6 +717,9 @@ def main() -> None:
                          "y's bytes follow it")
     ap.add_argument("--lora-variants", default=None,
                     help=f"comma list of LoRA variants to time besides xla_ref (default all: {','.join(VARIANTS)})")
+    ap.add_argument("--read-floor", action="store_true",
+                    help="also time bench/read_floor.py on each LoRA case's rows: gathering them and nothing else, "
+                         "in one launch and in two (JSON \"read_floor\"; the targets line's floor)")
     args = ap.parse_args()
     if args.lora_blocks:
         for kind, over in json.loads(args.lora_blocks).items():
@@ -667,6 +738,7 @@ def main() -> None:
     dev = jax.devices()[0]
     o["quick"] = args.quick
     o["device_time"] = args.device_time
+    o["read_floor"] = args.read_floor
     o["y_dtype"] = args.y_dtype
     o["lora_variants"] = [v for v in (args.lora_variants or "").split(",") if v]
     if set(o["lora_variants"]) - set(VARIANTS):
@@ -758,6 +830,10 @@ def main() -> None:
                         print("     pallas kernels (us a call): " + ", ".join(
                             f"{k[:40]} {us:.1f}" for k, us in v["pallas"]["device"].get("by_kernel_us", {}).items()),
                             flush=True)
+                    if c.get("read_floor"):
+                        print("     read floor: " + ", ".join(
+                            f"{form.replace('_', ' ')} {_floor_cell(c['read_floor'][form])}"
+                            for form in ("one_launch", "two_launches")), flush=True)
         del pools
     save()
     print(table(result), flush=True)

@@ -640,12 +640,14 @@ def test_policy_sim_prices_adapters_and_prefill_delay():
 
 
 def test_kernels_py_quick_with_device_time(tmp_path):
-    """bench/kernels.py's CPU smoke run: every variant checked against the reference, and with
-    --device-time the traced kernel time a call beside the wall clock."""
+    """bench/kernels.py's CPU smoke run: every variant checked against the reference, with
+    --device-time the traced kernel time a call beside the wall clock, and with --read-floor the
+    rows' gather alone (bench/read_floor.py)."""
     out = tmp_path / "k.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick", "--skip", "attention",
-                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--device-time", "--out", str(out)],
+                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--device-time", "--read-floor",
+                        "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     d = json.loads(out.read_text())
@@ -653,6 +655,13 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded", "fused")), case["variants"]
     dev = case["variants"]["pallas"]["device"]
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
+    # --read-floor: the case's live rows (2 slots of ranks 4 and 8 on W = 32, fin = 64: 8 + 16 A^T
+    # rows padded to 32, as many B rows) gathered in one launch and in two, each checked against
+    # bench/read_floor.read_reference
+    floor = case["read_floor"]
+    assert floor["rows"] == [32, 32]
+    for form in ("one_launch", "two_launches"):
+        assert floor[form]["ok"] and floor[form]["us"] > 0 and floor[form]["best"] in floor[form]["tilings"]
     assert dev["by_kernel_us"] and 0 < sum(dev["by_kernel_us"].values()) <= dev["kernel_us"] + 1e-6
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
 
@@ -795,3 +804,23 @@ def test_kernel_pool_places_adapter_rows_apart(page_rows):
         for m, rows in enumerate(used):
             for p in set((rows // page_rows).tolist()):
                 assert owner.setdefault(p, m) == m
+
+
+@pytest.mark.parametrize("col_tile,splits", [(32, 1), (64, 2), (16, 4)])
+def test_read_floor_kernel_matches_reference(col_tile, splits):
+    """bench/read_floor.paged_read (interpret mode): each row's sum over each split's columns, the
+    rows at random pool positions, equals read_reference; live_rows takes each slot's first
+    ceil(r * f / W) index entries and pads to whole tiles with the first row."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.read_floor import TILE_ROWS, live_rows, paged_read, read_reference
+    rows = jax.random.normal(jax.random.PRNGKey(col_tile), (300, 256), jnp.bfloat16)
+    idx = jnp.asarray(np.random.default_rng(splits).permutation(300)[:3 * TILE_ROWS], jnp.int32)
+    got = paged_read(rows, idx, col_tile=col_tile, splits=splits, interpret=True)
+    want = read_reference(rows, idx, splits=splits)
+    assert got.shape == (3, splits * TILE_ROWS) and float(jnp.abs(want).max()) > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    a_rows, b_rows = np.arange(40).reshape(2, 20), 100 + np.arange(40).reshape(2, 20)
+    a, b = live_rows(a_rows, b_rows, np.array([3, 0]), fin=512, fout=256, width=256)
+    assert a.tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10 and b.tolist() == [100, 101, 102] + [100] * 13
