@@ -333,19 +333,27 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
     return _add_fracs(res, 4 * n, bw)
 
 
+FLOOR_FORMS = ("one_launch", "two_launches", "two_launches_hop")
+
+
 def paged_read_floor(pool: LoraPool, sets: list[dict], nbytes: int, bw: float, opts) -> dict:
     """bench/read_floor.py on the case's own sets: its A^T and B rows gathered and nothing else, in
-    one launch (A and B rows) and in two launches one after the other on the stream (A rows, then
-    B rows: the order a two-launch pair must keep), each the best over rf.TILINGS by the device's
-    busy time where traced (else the wall clock); a pool narrower than every
-    tiling (--quick) reads whole rows. Bytes: the case's (nbytes), so its fractions
-    read beside the pair's as the most that pair could show. Each tiling's output is checked
-    against rf.read_reference on the first set."""
+    one launch (A and B rows), in two launches one after the other on the stream (A rows, then B
+    rows: the order a two-launch pair must keep), and in those two launches with one more
+    dependent trip before each program's gather ("_hop": its tile's place read from a shuffled
+    table first). Each form is the best over rf.TILINGS by the device's busy time where traced
+    (else the wall clock); a pool narrower than every tiling (--quick) reads whole rows. Bytes:
+    the case's (nbytes), so its fractions read beside the pair's as the most that pair could
+    show. Each tiling's output is checked against rf.read_reference on the first set."""
     idx = [rf.live_rows(s["a_rows"], s["b_rows"], s["ranks"], pool.fin, pool.fout, pool.width) for s in sets]
-    idx_sets = [tuple(jnp.asarray(v) for v in (a, b, np.concatenate([a, b]))) for a, b in idx]
+    rng = np.random.default_rng(0)
+    idx_sets = [tuple(jnp.asarray(v) for v in (a, b, np.concatenate([a, b]),
+                                              rng.permutation(len(a) // rf.TILE_ROWS).astype(np.int32),
+                                              rng.permutation(len(b) // rf.TILE_ROWS).astype(np.int32)))
+                for a, b in idx]
     interp = opts["interpret"]
     out: dict = {"rows": [int(len(a)) for a in idx[0]]}
-    for form in ("one_launch", "two_launches"):
+    for form in FLOOR_FORMS:
         tried = {}
         for col_tile, splits in [t for t in rf.TILINGS if pool.width % (t[0] * t[1]) == 0] or [(pool.width, 1)]:
             kw = dict(col_tile=col_tile, splits=splits, interpret=interp)
@@ -353,17 +361,23 @@ def paged_read_floor(pool: LoraPool, sets: list[dict], nbytes: int, bw: float, o
             def fn(rows, s, kw=kw, form=form):
                 if form == "one_launch":
                     return rf.paged_read(rows, s[2], **kw)
-                return rf.paged_read(rows, s[0], **kw), rf.paged_read(rows, s[1], **kw)
+                hop = form.endswith("_hop")
+                return (rf.paged_read(rows, s[0], s[3] if hop else None, **kw),
+                        rf.paged_read(rows, s[1], s[4] if hop else None, **kw))
             try:
                 res, outs = run_variant(fn, pool.rows, idx_sets, iters=opts["iters"], warmup=opts["warmup"],
                                         iter_s=opts["iter_s"], device_time=opts.get("device_time", False))
             except Exception as e:  # noqa: BLE001: one tiling failing must not lose the others
                 tried[f"{col_tile}x{splits}"] = {"error": _err(e)}
                 continue
-            got = outs[0] if form == "one_launch" else jnp.concatenate(outs[0])
-            a, b, ab = idx_sets[0]
-            want = rf.read_reference(pool.rows, ab, splits=splits) if form == "one_launch" else \
-                jnp.concatenate([rf.read_reference(pool.rows, v, splits=splits) for v in (a, b)])
+            a, b, ab, oa, ob = idx_sets[0]
+            if form == "one_launch":
+                got, want = outs[0], rf.read_reference(pool.rows, ab, splits=splits)
+            else:
+                hop = form.endswith("_hop")
+                got = jnp.concatenate(outs[0])
+                want = jnp.concatenate([rf.read_reference(pool.rows, v, o if hop else None, splits=splits)
+                                        for v, o in ((a, oa), (b, ob))])
             res["rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             res["ok"] = res["rel_err"] < 1e-3
             tried[f"{col_tile}x{splits}"] = _add_fracs(res, nbytes, bw)
@@ -543,7 +557,7 @@ def targets(result: dict, o) -> list[dict]:
                 "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases},
                 # --read-floor: the case's rows gathered and nothing else (one launch; two in order)
                 "read_floor": {c["module"]: {f: _frac(c["read_floor"][f].get("device") if on_device
-                                                      else c["read_floor"][f]) for f in ("one_launch", "two_launches")}
+                                                      else c["read_floor"][f]) for f in FLOOR_FORMS}
                                for c in cases if c.get("read_floor")},
                 # --device-time: the same on the device's own kernel time (no host dispatch, no gaps)
                 "device": {c["module"]: {"pallas": _frac((c["variants"]["pallas"] or {}).get("device")),
@@ -664,8 +678,8 @@ def table(result: dict) -> str:
             if copies:
                 detail += "; one copy kernel of the same bytes: " + ", ".join(f"{k} {_pct(f)}" for k, f in copies.items())
             if t.get("read_floor"):
-                detail += "; the rows' gather alone (one launch / two): " + ", ".join(
-                    f"{k} {_pct(f['one_launch'])} / {_pct(f['two_launches'])}" for k, f in t["read_floor"].items())
+                detail += "; the rows' gather alone (one launch / two / two with a trip more): " + ", ".join(
+                    f"{k} {' / '.join(_pct(f.get(form)) for form in FLOOR_FORMS)}" for k, f in t["read_floor"].items())
             if on_device:
                 detail += "; on the wall clock: " + ", ".join(
                     f"{k} {_pct(f)} (copy {_pct(t['same_bytes_copy'].get(k))})" for k, f in t["wall"].items())
@@ -833,7 +847,7 @@ def main() -> None:
                     if c.get("read_floor"):
                         print("     read floor: " + ", ".join(
                             f"{form.replace('_', ' ')} {_floor_cell(c['read_floor'][form])}"
-                            for form in ("one_launch", "two_launches")), flush=True)
+                            for form in FLOOR_FORMS), flush=True)
         del pools
     save()
     print(table(result), flush=True)

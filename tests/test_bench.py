@@ -657,10 +657,10 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
     # --read-floor: the case's live rows (2 slots of ranks 4 and 8 on W = 32, fin = 64: 8 + 16 A^T
     # rows padded to 32, as many B rows) gathered in one launch and in two, each checked against
-    # bench/read_floor.read_reference
+    # bench/read_floor.read_reference, and the two launches again with a trip more (a tile table)
     floor = case["read_floor"]
     assert floor["rows"] == [32, 32]
-    for form in ("one_launch", "two_launches"):
+    for form in ("one_launch", "two_launches", "two_launches_hop"):
         assert floor[form]["ok"] and floor[form]["us"] > 0 and floor[form]["best"] in floor[form]["tilings"]
     assert dev["by_kernel_us"] and 0 < sum(dev["by_kernel_us"].values()) <= dev["kernel_us"] + 1e-6
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
@@ -809,7 +809,8 @@ def test_kernel_pool_places_adapter_rows_apart(page_rows):
 @pytest.mark.parametrize("col_tile,splits", [(32, 1), (64, 2), (16, 4)])
 def test_read_floor_kernel_matches_reference(col_tile, splits):
     """bench/read_floor.paged_read (interpret mode): each row's sum over each split's columns, the
-    rows at random pool positions, equals read_reference; live_rows takes each slot's first
+    rows at random pool positions, equals read_reference, also with a tile order read first;
+    live_rows takes each slot's first
     ceil(r * f / W) index entries and pads to whole tiles with the first row."""
     import jax
     import jax.numpy as jnp
@@ -821,6 +822,11 @@ def test_read_floor_kernel_matches_reference(col_tile, splits):
     want = read_reference(rows, idx, splits=splits)
     assert got.shape == (3, splits * TILE_ROWS) and float(jnp.abs(want).max()) > 0
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    order = jnp.asarray([2, 0, 1], jnp.int32)  # program p reads index tile order[p] first
+    got = paged_read(rows, idx, order, col_tile=col_tile, splits=splits, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(read_reference(rows, idx, order, splits=splits)),
+                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got)[0], np.asarray(want)[2], rtol=1e-5, atol=1e-4)
     a_rows, b_rows = np.arange(40).reshape(2, 20), 100 + np.arange(40).reshape(2, 20)
     a, b = live_rows(a_rows, b_rows, np.array([3, 0]), fin=512, fout=256, width=256)
     assert a.tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10 and b.tolist() == [100, 101, 102] + [100] * 13
