@@ -38,12 +38,20 @@ class ModelConfig:
     # The engine attends to the whole context, which is exact while a sequence fits the window, so
     # it keeps sequences within it (context_limit).
     sliding_window: int | None = None
+    # The projections that add a bias (Qwen2: q, k and v; Llama's attention_bias: q, k, v and o;
+    # mlp_bias: gate, up and down). Adapters never carry one: PEFT's LoRA adds no bias.
+    bias_modules: tuple = ()
 
     def __post_init__(self):
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.bias_modules, list):
+            object.__setattr__(self, "bias_modules", tuple(self.bias_modules))
+        if set(self.bias_modules) - set(TARGET_MODULES):
+            raise ValueError(f"bias_modules {self.bias_modules} names a module that is not a projection "
+                             f"({', '.join(TARGET_MODULES)})")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.num_attention_heads % self.num_key_value_heads:
@@ -90,12 +98,24 @@ class ModelConfig:
         }[module]
 
     def num_params(self) -> int:
-        per_layer = sum(a * b for a, b in map(self.module_shape, TARGET_MODULES)) + 2 * self.hidden_size
+        per_layer = sum(a * b for a, b in map(self.module_shape, TARGET_MODULES)) + 2 * self.hidden_size + \
+            sum(self.module_shape(m)[1] for m in self.bias_modules)
         emb = self.vocab_size * self.hidden_size
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+
+
+def _bias_modules(arch: str, d: dict) -> tuple[str, ...]:
+    """The projections with a bias, from config.json: Qwen2's q, k and v always; Llama's
+    attention_bias (q, k, v, o) and mlp_bias (gate, up, down)."""
+    if arch == "qwen2":
+        return QKV_MODULES
+    return (ATTN_MODULES if d.get("attention_bias") else ()) + (MLP_MODULES if d.get("mlp_bias") else ())
 
 
 def _from_dict(name: str, d: dict[str, Any]) -> ModelConfig:
@@ -133,10 +153,10 @@ def load_model_config(model: "str | os.PathLike | ModelConfig") -> ModelConfig:
     if (path / "config.json").is_file():
         d = json.loads((path / "config.json").read_text())
         arch = d.get("model_type", "llama")
-        if arch not in ("llama", "mistral"):
-            raise ValueError(f"{path}/config.json: model_type {arch!r} is not a Llama-family model")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise ValueError(f"{path}/config.json: attention_bias/mlp_bias are not supported")
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"{path}/config.json: model_type {arch!r} is not a Llama-family model "
+                             f"(llama, mistral, qwen2)")
+        d = {**d, "bias_modules": _bias_modules(arch, d)}
         if d.get("use_sliding_window") is False:  # a window that is written down but not used
             d = {**d, "sliding_window": None}
         act = d.get("hidden_act", "silu")

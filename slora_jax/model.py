@@ -75,9 +75,18 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApply | None, kv) -> jax.Array:
+def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApply | None, kv,
+          bias: bool = True) -> jax.Array:
+    """x W^T (+ the projection's bias, if it has one and `bias`) + the adapters' delta."""
     y = linear(x, layer_params[module])
+    if bias:
+        y = _add_bias(layer_params, module, y)
     return y if lora is None else lora(i, module, x, y, kv)
+
+
+def _add_bias(layer_params: Params, module: str, y: jax.Array) -> jax.Array:
+    b = layer_params.get(module + "_bias")  # weights.bias_key
+    return y if b is None else y + b.astype(y.dtype)
 
 
 def _same(y: jax.Array) -> jax.Array:
@@ -95,11 +104,12 @@ def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, a
     v = _proj(p, i, "v_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(i, q, k, v, kv)
-    x = x + reduce(_proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv))
+    # o and down: a bias is added after `reduce` (tensor parallel: once, not once a device)
+    x = x + _add_bias(p, "o_proj", reduce(_proj(p, i, "o_proj", o.reshape(n, cfg.q_size), lora, kv, bias=False)))
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     gate = _proj(p, i, "gate_proj", h, lora, kv)
     up = _proj(p, i, "up_proj", h, lora, kv)
-    x = x + reduce(_proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora, kv))
+    x = x + _add_bias(p, "down_proj", reduce(_proj(p, i, "down_proj", jax.nn.silu(gate) * up, lora, kv, bias=False)))
     return x, kv
 
 

@@ -76,18 +76,28 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
         names[pre + "input_layernorm.weight"] = (("layers", layer, "input_layernorm"), (h,))
         for m in ATTN_MODULES:
             names[pre + f"self_attn.{m}.weight"] = (("layers", layer, m), proj[m])
+            if m in cfg.bias_modules:
+                names[pre + f"self_attn.{m}.bias"] = (("layers", layer, bias_key(m)), proj[m][:1])
         names[pre + "post_attention_layernorm.weight"] = (("layers", layer, "post_attention_layernorm"), (h,))
         for m in MLP_MODULES:
             names[pre + f"mlp.{m}.weight"] = (("layers", layer, m), proj[m])
+            if m in cfg.bias_modules:
+                names[pre + f"mlp.{m}.bias"] = (("layers", layer, bias_key(m)), proj[m][:1])
     names["model.norm.weight"] = (("norm",), (h,))
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (("lm_head",), (v, h))
     return names
 
 
+def bias_key(module: str) -> str:
+    """A projection's bias in a layer's params (model.Params): "q_proj_bias"."""
+    return module + "_bias"
+
+
 def _empty_tree(cfg: ModelConfig) -> Params:
     """The pytree skeleton with None leaves; filled leaf by leaf so only one tensor is in flight."""
-    layer_keys = ("input_layernorm", *ATTN_MODULES, "post_attention_layernorm", *MLP_MODULES)
+    layer_keys = ("input_layernorm", *ATTN_MODULES, "post_attention_layernorm", *MLP_MODULES,
+                  *map(bias_key, cfg.bias_modules))
     tree: Params = {"embed_tokens": None,
                     "layers": [dict.fromkeys(layer_keys) for _ in range(cfg.num_hidden_layers)],
                     "norm": None}
@@ -237,8 +247,13 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, dtype="bfloa
 def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """ModelConfig in Hugging Face LlamaConfig names."""
     eos = cfg.eos_token_id
+    qwen2 = set(cfg.bias_modules) == {"q_proj", "k_proj", "v_proj"}  # Llama's flags cannot say q, k, v only
+    if not qwen2 and cfg.bias_modules and set(cfg.bias_modules) not in (
+            set(ATTN_MODULES), set(MLP_MODULES), set(ATTN_MODULES + MLP_MODULES)):
+        raise ValueError(f"bias_modules {cfg.bias_modules}: no Hugging Face config says that")
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama", "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
@@ -247,7 +262,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        "attention_bias": not qwen2 and "o_proj" in cfg.bias_modules,
+        "mlp_bias": "down_proj" in cfg.bias_modules, "torch_dtype": dtype,
         **({"sliding_window": cfg.sliding_window} if cfg.sliding_window is not None else {}),
     }
 
@@ -314,6 +330,8 @@ def _leaf_stats(path: TreePath, shape: tuple[int, ...], cfg: ModelConfig) -> tup
     scale, the residual stream grows only like sqrt(layers), and the logits come out with std ~1
     (finite, not peaked) at any depth and in bf16. Norm weights are 1 + noise so they matter.
     """
+    if path[-1].endswith("_bias"):
+        return 0.0, 0.1
     if len(shape) == 1:
         return 1.0, 0.1
     fan_in = cfg.hidden_size if path[-1] == "embed_tokens" else shape[1]

@@ -141,3 +141,39 @@ def test_tensor_parallel_parity_with_the_oracle(oracle):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
     assert " failed" not in p.stdout and " error" not in p.stdout, p.stdout[-4000:]
+
+
+BIAS_CHECK = """
+import dataclasses, json, sys, tempfile
+import numpy as np
+from slora_jax import LLM
+from slora_jax.adapters import random_peft_adapter
+from slora_jax.config import TARGET_MODULES, load_model_config
+from slora_jax.weights import dummy_params, save_hf_weights
+cfg = dataclasses.replace(load_model_config("tiny"), bias_modules=TARGET_MODULES)
+d = tempfile.mkdtemp()
+save_hf_weights(dummy_params(cfg, "float32", seed=1), cfg, d)
+a = str(random_peft_adapter(d + "/adapter", cfg, rank=8, seed=3))
+ids = [1, 5, 7, 9, 11, 13, 2, 4]
+out = {}
+for tp in (1, 2):
+    llm = LLM(d, adapters={"a": a}, dtype="float32", page_size=4, pool_pages=64, max_lora_rank=8,
+              tensor_parallel=tp)
+    out[tp] = [x.tolist() for x in llm.prompt_logits([ids, ids], adapter=[None, "a"])]
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def test_tensor_parallel_adds_each_bias_once(tmp_path):
+    """A model with a bias on every projection (Llama's attention_bias and mlp_bias), a base row
+    and an adapter row: two devices give one device's logits. The o and down biases are added
+    after the sum across the devices (once, not once a device); q, k, v, gate and up split
+    with their columns."""
+    out = tmp_path / "bias.json"
+    p = subprocess.run([sys.executable, "-c", BIAS_CHECK, str(out)], env={**os.environ, **TWO_DEVICES},
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    got = json.loads(out.read_text())
+    one, two = (np.asarray(got[k]) for k in ("1", "2"))
+    np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
+    assert np.abs(one[0] - one[1]).max() > 0.1  # the adapter row is not the base row

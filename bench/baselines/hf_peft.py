@@ -190,8 +190,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--mixed", default="1,8,32", help="(b): distinct adapters per batch")
-    ap.add_argument("--merged-mixed", default="1,32", help="(c): distinct adapters over the requests")
+    ap.add_argument("--mixed", default=None, help="(b): distinct adapters per batch (default 1,8,32; --smoke: 1,4)")
+    ap.add_argument("--merged-mixed", default=None,
+                    help="(c): distinct adapters over the requests (default 1,32; --smoke: 1,4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="(c): compare merged tokens with the unmerged path")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, float32, CPU, small batch: the code path")
@@ -200,9 +201,10 @@ def parse_args(argv=None):
     if args.smoke:
         args.model, args.dtype, args.device = "tiny", "float32", "cpu"
         args.batch, args.prompt_len, args.gen_len, args.rank = 4, 8, 4, 4
-        args.mixed, args.merged_mixed, args.check = "1,4", "1,4", True
-    args.mixed = [int(x) for x in args.mixed.split(",") if x]
-    args.merged_mixed = [int(x) for x in args.merged_mixed.split(",") if x]
+        args.check = True
+    # --smoke keeps lists given explicitly (a test that needs a long merged part passes one)
+    args.mixed = [int(x) for x in (args.mixed or ("1,4" if args.smoke else "1,8,32")).split(",") if x]
+    args.merged_mixed = [int(x) for x in (args.merged_mixed or ("1,4" if args.smoke else "1,32")).split(",") if x]
     return args
 
 
