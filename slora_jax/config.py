@@ -41,6 +41,8 @@ class ModelConfig:
     # The projections that add a bias (Qwen2: q, k and v; Llama's attention_bias: q, k, v and o;
     # mlp_bias: gate, up and down). Adapters never carry one: PEFT's LoRA adds no bias.
     bias_modules: tuple = ()
+    # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -99,7 +101,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         per_layer = sum(a * b for a, b in map(self.module_shape, TARGET_MODULES)) + 2 * self.hidden_size + \
-            sum(self.module_shape(m)[1] for m in self.bias_modules)
+            sum(self.module_shape(m)[1] for m in self.bias_modules) + 2 * self.head_dim * self.qk_norm
         emb = self.vocab_size * self.hidden_size
         return self.num_hidden_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
@@ -111,8 +113,8 @@ QKV_MODULES = ("q_proj", "k_proj", "v_proj")
 
 
 def _bias_modules(arch: str, d: dict) -> tuple[str, ...]:
-    """The projections with a bias, from config.json: Qwen2's q, k and v always; Llama's
-    attention_bias (q, k, v, o) and mlp_bias (gate, up, down)."""
+    """The projections with a bias, from config.json: Qwen2's q, k and v always; Llama's (and
+    Qwen3's) attention_bias (q, k, v, o) and mlp_bias (gate, up, down)."""
     if arch == "qwen2":
         return QKV_MODULES
     return (ATTN_MODULES if d.get("attention_bias") else ()) + (MLP_MODULES if d.get("mlp_bias") else ())
@@ -153,10 +155,10 @@ def load_model_config(model: "str | os.PathLike | ModelConfig") -> ModelConfig:
     if (path / "config.json").is_file():
         d = json.loads((path / "config.json").read_text())
         arch = d.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2"):
+        if arch not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"{path}/config.json: model_type {arch!r} is not a Llama-family model "
-                             f"(llama, mistral, qwen2)")
-        d = {**d, "bias_modules": _bias_modules(arch, d)}
+                             f"(llama, mistral, qwen2, qwen3)")
+        d = {**d, "bias_modules": _bias_modules(arch, d), "qk_norm": arch == "qwen3"}
         if d.get("use_sliding_window") is False:  # a window that is written down but not used
             d = {**d, "sliding_window": None}
         act = d.get("hidden_act", "silu")

@@ -101,6 +101,8 @@ def decoder_layer(cfg: ModelConfig, p: Params, i: int, x: jax.Array, cos, sin, a
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     q = _proj(p, i, "q_proj", h, lora, kv).reshape(n, cfg.num_attention_heads, cfg.head_dim)
     k = _proj(p, i, "k_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3: each head's q and k normed before RoPE
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     v = _proj(p, i, "v_proj", h, lora, kv).reshape(n, cfg.num_key_value_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(i, q, k, v, kv)

@@ -78,6 +78,8 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
             names[pre + f"self_attn.{m}.weight"] = (("layers", layer, m), proj[m])
             if m in cfg.bias_modules:
                 names[pre + f"self_attn.{m}.bias"] = (("layers", layer, bias_key(m)), proj[m][:1])
+        for norm in QK_NORMS if cfg.qk_norm else ():
+            names[pre + f"self_attn.{norm}.weight"] = (("layers", layer, norm), (cfg.head_dim,))
         names[pre + "post_attention_layernorm.weight"] = (("layers", layer, "post_attention_layernorm"), (h,))
         for m in MLP_MODULES:
             names[pre + f"mlp.{m}.weight"] = (("layers", layer, m), proj[m])
@@ -89,6 +91,9 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
     return names
 
 
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms (ModelConfig.qk_norm)
+
+
 def bias_key(module: str) -> str:
     """A projection's bias in a layer's params (model.Params): "q_proj_bias"."""
     return module + "_bias"
@@ -97,7 +102,7 @@ def bias_key(module: str) -> str:
 def _empty_tree(cfg: ModelConfig) -> Params:
     """The pytree skeleton with None leaves; filled leaf by leaf so only one tensor is in flight."""
     layer_keys = ("input_layernorm", *ATTN_MODULES, "post_attention_layernorm", *MLP_MODULES,
-                  *map(bias_key, cfg.bias_modules))
+                  *map(bias_key, cfg.bias_modules), *(QK_NORMS if cfg.qk_norm else ()))
     tree: Params = {"embed_tokens": None,
                     "layers": [dict.fromkeys(layer_keys) for _ in range(cfg.num_hidden_layers)],
                     "norm": None}
@@ -248,12 +253,13 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """ModelConfig in Hugging Face LlamaConfig names."""
     eos = cfg.eos_token_id
     qwen2 = set(cfg.bias_modules) == {"q_proj", "k_proj", "v_proj"}  # Llama's flags cannot say q, k, v only
-    if not qwen2 and cfg.bias_modules and set(cfg.bias_modules) not in (
-            set(ATTN_MODULES), set(MLP_MODULES), set(ATTN_MODULES + MLP_MODULES)):
-        raise ValueError(f"bias_modules {cfg.bias_modules}: no Hugging Face config says that")
+    if (qwen2 and cfg.qk_norm) or (not qwen2 and cfg.bias_modules and set(cfg.bias_modules) not in (
+            set(ATTN_MODULES), set(MLP_MODULES), set(ATTN_MODULES + MLP_MODULES))):
+        raise ValueError(f"bias_modules {cfg.bias_modules}, qk_norm {cfg.qk_norm}: no Hugging Face config says that")
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if qwen2 else "llama"
     return {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama", "hidden_act": "silu",
+        "architectures": [{"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[arch] + "ForCausalLM"],
+        "model_type": arch, "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,

@@ -150,7 +150,7 @@ from slora_jax import LLM
 from slora_jax.adapters import random_peft_adapter
 from slora_jax.config import TARGET_MODULES, load_model_config
 from slora_jax.weights import dummy_params, save_hf_weights
-cfg = dataclasses.replace(load_model_config("tiny"), bias_modules=TARGET_MODULES)
+cfg = dataclasses.replace(load_model_config("tiny"), bias_modules=TARGET_MODULES, qk_norm=True)
 d = tempfile.mkdtemp()
 save_hf_weights(dummy_params(cfg, "float32", seed=1), cfg, d)
 a = str(random_peft_adapter(d + "/adapter", cfg, rank=8, seed=3))
@@ -165,10 +165,10 @@ json.dump(out, open(sys.argv[1], "w"))
 
 
 def test_tensor_parallel_adds_each_bias_once(tmp_path):
-    """A model with a bias on every projection (Llama's attention_bias and mlp_bias), a base row
-    and an adapter row: two devices give one device's logits. The o and down biases are added
-    after the sum across the devices (once, not once a device); q, k, v, gate and up split
-    with their columns."""
+    """A model with a bias on every projection (Llama's attention_bias and mlp_bias) and Qwen3's
+    per-head q/k norms, a base row and an adapter row: two devices give one device's logits. The
+    o and down biases are added after the sum across the devices (once, not once a device); q, k,
+    v, gate and up split with their columns; the norms' weights are whole on each device."""
     out = tmp_path / "bias.json"
     p = subprocess.run([sys.executable, "-c", BIAS_CHECK, str(out)], env={**os.environ, **TWO_DEVICES},
                        cwd=REPO, capture_output=True, text=True, timeout=600)

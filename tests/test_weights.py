@@ -97,6 +97,43 @@ def test_config_json_round_trip(tmp_path, p32):
     assert load_model_config(tmp_path) == dataclasses.replace(cfg, name=tmp_path.name)
 
 
+@pytest.mark.parametrize("extra", [dict(bias_modules=("q_proj", "k_proj", "v_proj")),
+                                   dict(bias_modules=("q_proj", "k_proj", "v_proj", "o_proj"), qk_norm=True),
+                                   dict(bias_modules=("gate_proj", "up_proj", "down_proj"))],
+                         ids=["qwen2", "qwen3-attention-bias", "llama-mlp-bias"])
+def test_family_checkpoint_round_trip(tmp_path, extra):
+    """Biases and Qwen3's q/k norms: written as Hugging Face names them (config.json's model_type
+    and flags, `self_attn.q_proj.bias`, `self_attn.q_norm.weight`), read back to the same config
+    and weights; dummy weights draw them nonzero."""
+    cfg = dataclasses.replace(CFG, **extra)
+    params = W.dummy_params(cfg, "float32", seed=2)
+    W.save_hf_weights(params, cfg, tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if len(cfg.bias_modules) == 3 and "q_proj" in cfg.bias_modules \
+        else "llama"
+    assert d["model_type"] == arch
+    assert load_model_config(tmp_path) == dataclasses.replace(cfg, name=tmp_path.name)
+    names = W.hf_names(cfg)
+    for m in cfg.bias_modules:
+        parent = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        path, shape = names[f"model.layers.1.{parent}.{m}.bias"]
+        assert shape == (cfg.module_shape(m)[1],) and np.abs(np.asarray(W._get(params, path))).max() > 0
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == cfg.qk_norm
+    assert_same(W.load_hf_weights(tmp_path, cfg, "float32"), params)
+
+
+def test_unsupported_families_are_refused(tmp_path, p32):
+    W.save_hf_weights(p32, CFG, tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**d, "model_type": "qwen3_moe"}))
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe' is not a Llama-family model"):
+        load_model_config(tmp_path)
+    with pytest.raises(ValueError, match="no Hugging Face config says that"):
+        W.hf_config_dict(dataclasses.replace(CFG, bias_modules=("q_proj", "k_proj", "v_proj"), qk_norm=True))
+    with pytest.raises(ValueError, match="names a module that is not a projection"):
+        dataclasses.replace(CFG, bias_modules=("lm_head",))
+
+
 def test_sliding_window_keeps_sequences_within_it(tmp_path, p32):
     """A Mistral-style config.json with sliding_window: full attention equals the window's only
     while a sequence fits it, so max_model_len defaults to the window, a larger one is refused with

@@ -1,13 +1,14 @@
-"""Tiny random models whose projections add a bias, each with a PEFT LoRA adapter on every
-projection, and their logits over one prompt with and without the adapter (the oracle
+"""Tiny random models of the Llama family's other members, each with a PEFT LoRA adapter on
+every projection, and their logits over one prompt with and without the adapter (the oracle
 interpreter: torch + transformers + peft).
 
-    python tests/oracle/bias_models.py OUT_DIR
+    python tests/oracle/families.py OUT_DIR
 
 OUT_DIR/<name>/model, OUT_DIR/<name>/adapter, OUT_DIR/<name>/{ids,base,lora}.npy for
 - qwen2: Qwen2ForCausalLM (q, k and v have a bias; GQA, tied embeddings);
-- llama_bias: LlamaForCausalLM with attention_bias and mlp_bias (every projection has one).
-tests/test_bias_models.py serves both through the engine.
+- llama_bias: LlamaForCausalLM with attention_bias and mlp_bias (every projection has one);
+- qwen3: Qwen3ForCausalLM (an RMSNorm over each head's q and k; head_dim apart from hidden / heads).
+tests/test_model_families.py serves them through the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ MODELS = {
         **SHAPE, tie_word_embeddings=True, use_sliding_window=False, rope_theta=1e6)),
     "llama_bias": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SHAPE, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **SHAPE, head_dim=32, tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)),
 }
 
 
@@ -40,7 +43,6 @@ def build(name: str, out: str, seed: int) -> None:
         for pname, p in sorted(model.named_parameters()):
             noise = torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
             p.copy_(1 + 0.1 * noise if "norm" in pname else 0.2 * noise)
-    assert any(n.endswith("bias") for n, _ in model.named_parameters()), name
     model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
     ids = torch.from_numpy(rng.integers(3, SHAPE["vocab_size"], 12))[None]
     torch.manual_seed(seed)
