@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from slora_jax import tp
+from slora_jax import quant, tp
 from slora_jax.adapter_store import AdapterStore, host_cache_bytes
 from slora_jax.config import load_model_config
 from slora_jax.engine import Engine, EngineOptions
@@ -26,15 +26,19 @@ class LLM:
     model: a Hugging Face Llama directory (config.json + safetensors) or a shape name from
     configs/models ("tiny", "llama-7b", ...), which gets dummy weights from `seed`.
     adapters: {name: PEFT adapter directory}.
+    quantization: None, or "int8": the projections' weights in int8 with per-row scales
+    (slora_jax.quant; half their bytes, the memory going to the page pool).
     options: EngineOptions fields (page_size, pool_pages, max_num_seqs, max_lora_rank,
     lora_backend, attention_backend, ...).
     """
 
     def __init__(self, model: str | os.PathLike, adapters: dict[str, str] | None = None,
                  dtype: str = "bfloat16", *, seed: int = 0, max_model_len: int | None = None,
-                 cache_dir: str | None = None, **options):
+                 cache_dir: str | None = None, quantization: str | None = None, **options):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if quantization is not None and quantization not in quant.QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {quant.QUANTIZATIONS} or None, got {quantization!r}")
         self.model = str(model)
         self.dtype = dtype
         self.cfg = load_model_config(model)
@@ -45,7 +49,9 @@ class LLM:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's sliding_window={window}: "
                              f"sliding-window attention is not implemented, and full attention equals it only "
                              f"while a sequence fits the window, so sequences are kept to {window} tokens")
-        self.params = load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir)
+        self.quantization = quantization
+        self.params = quant.quantize_params(load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir),
+                                            quantization)
         if self.options.tensor_parallel > 1:  # split now: the whole copy is freed before the pool is sized
             self.params = tp.shard_params(self.params, tp.TP.make(self.options.tensor_parallel, self.cfg))
         self.tokenizer = load_tokenizer(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None

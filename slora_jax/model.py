@@ -75,10 +75,18 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
+def linear_q(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """linear for a weight that may be quantized (slora_jax.quant: int8 w, float32 row scales):
+    x @ w.T with w cast to x's dtype, each output column times its scale."""
+    if scale is None:
+        return linear(x, w)
+    return (linear(x, w.astype(x.dtype)).astype(jnp.float32) * scale).astype(x.dtype)
+
+
 def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApply | None, kv,
           bias: bool = True) -> jax.Array:
     """x W^T (+ the projection's bias, if it has one and `bias`) + the adapters' delta."""
-    y = linear(x, layer_params[module])
+    y = linear_q(x, layer_params[module], layer_params.get(module + "_scale"))  # quant.scale_key
     if bias:
         y = _add_bias(layer_params, module, y)
     return y if lora is None else lora(i, module, x, y, kv)

@@ -1076,6 +1076,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="adapters registered at start-up: name=path or '{\"name\": ..., \"path\": ...}'")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (float32 for the embedded default)")
+    ap.add_argument("--quantization", default=None, choices=["int8"],
+                    help="int8: the base model's projection weights in int8 with per-row scales (half their "
+                    "memory, which goes to the adapter/KV page pool); default: the model's dtype")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="default 64 (32 for the embedded default)")
     ap.add_argument("--max-loras", type=int, default=64, help="distinct adapters per batch")
     ap.add_argument("--max-cpu-loras", type=int, default=256, help="adapters whose weights stay in host memory")
@@ -1126,7 +1129,7 @@ def main(argv: list[str] | None = None) -> None:
         model, name, dtype = str(model_dir), name or "tiny", dtype or "float32"
         adapters = {**demo_adapters, **adapters}
         max_num_seqs, pool_pages, max_rank = args.max_num_seqs or 16, pool_pages or 256, args.max_lora_rank or 32
-    llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed,
+    llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, page_size=args.page_size, pool_pages=pool_pages,
               memory_fraction=args.gpu_memory_utilization, max_num_seqs=max_num_seqs,
               max_prefill_tokens=args.max_num_batched_tokens, max_adapters_per_batch=args.max_loras,

@@ -77,9 +77,10 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
 
 def param_specs(params) -> dict:
     """PartitionSpecs of a params tree (model.Params): weights are [out, in] (HF layout)."""
-    def layer(p: dict) -> dict:  # a bias: split with a column module's outputs, whole beside a row module
+    def layer(p: dict) -> dict:  # a bias or int8 scales: split with a column module's outputs, whole
+        # beside a row module (its scales multiply the devices' partial sums alike)
         return {k: P(AXIS, None) if k in COLUMN else P(None, AXIS) if k in ROW else
-                P(AXIS) if k.removesuffix("_bias") in COLUMN else P() for k in p}
+                P(AXIS) if k.removesuffix("_bias").removesuffix("_scale") in COLUMN else P() for k in p}
     return {k: [layer(p) for p in v] if k == "layers" else P() for k, v in params.items()}
 
 

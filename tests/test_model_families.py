@@ -40,7 +40,8 @@ def test_family_model_with_adapter_against_transformers(built, name, lora_backen
     the oracle's; the extra weights matter (zeroing them moves the logits far)."""
     d = built / name
     cfg = load_model_config(d / "model")
-    assert {m + "_bias" for m in cfg.bias_modules} | ({"q_norm", "k_norm"} if cfg.qk_norm else set()) == set(EXTRA[name])
+    extra = {m + "_bias" for m in cfg.bias_modules} | ({"q_norm", "k_norm"} if cfg.qk_norm else set())
+    assert extra == set(EXTRA[name])
     ids = np.load(d / "ids.npy").tolist()
     llm = LLM(d / "model", adapters={"a": str(d / "adapter")}, dtype="float32", page_size=4, pool_pages=64,
               max_lora_rank=8, lora_backend=lora_backend)

@@ -156,10 +156,11 @@ save_hf_weights(dummy_params(cfg, "float32", seed=1), cfg, d)
 a = str(random_peft_adapter(d + "/adapter", cfg, rank=8, seed=3))
 ids = [1, 5, 7, 9, 11, 13, 2, 4]
 out = {}
-for tp in (1, 2):
-    llm = LLM(d, adapters={"a": a}, dtype="float32", page_size=4, pool_pages=64, max_lora_rank=8,
-              tensor_parallel=tp)
-    out[tp] = [x.tolist() for x in llm.prompt_logits([ids, ids], adapter=[None, "a"])]
+for q in (None, "int8"):
+    for tp in (1, 2):
+        llm = LLM(d, adapters={"a": a}, dtype="float32", page_size=4, pool_pages=64, max_lora_rank=8,
+                  tensor_parallel=tp, quantization=q)
+        out[f"{q}-{tp}"] = [x.tolist() for x in llm.prompt_logits([ids, ids], adapter=[None, "a"])]
 json.dump(out, open(sys.argv[1], "w"))
 """
 
@@ -168,12 +169,16 @@ def test_tensor_parallel_adds_each_bias_once(tmp_path):
     """A model with a bias on every projection (Llama's attention_bias and mlp_bias) and Qwen3's
     per-head q/k norms, a base row and an adapter row: two devices give one device's logits. The
     o and down biases are added after the sum across the devices (once, not once a device); q, k,
-    v, gate and up split with their columns; the norms' weights are whole on each device."""
+    v, gate and up split with their columns; the norms' weights are whole on each device. The
+    same with the projections in int8: a column module's scales split with it, a row module's are
+    whole."""
     out = tmp_path / "bias.json"
     p = subprocess.run([sys.executable, "-c", BIAS_CHECK, str(out)], env={**os.environ, **TWO_DEVICES},
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    got = json.loads(out.read_text())
-    one, two = (np.asarray(got[k]) for k in ("1", "2"))
-    np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
-    assert np.abs(one[0] - one[1]).max() > 0.1  # the adapter row is not the base row
+    got = {k: np.asarray(v) for k, v in json.loads(out.read_text()).items()}
+    for q in ("None", "int8"):  # and with the projections in int8 (slora_jax.quant): scales split alike
+        one, two = got[f"{q}-1"], got[f"{q}-2"]
+        np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
+        assert np.abs(one[0] - one[1]).max() > 0.1  # the adapter row is not the base row
+    assert np.abs(got["int8-1"] - got["None-1"]).max() > 1e-3  # int8 did round the weights

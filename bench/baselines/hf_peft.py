@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import signal
 import sys
 import time
 import tomllib
@@ -210,6 +211,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    # A timeout's SIGINT must stop the run between rows with what it saved, also where SIGINT was
+    # ignored when Python started (a background job of a non-interactive shell inherits SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import peft
     import torch
     import transformers
