@@ -280,7 +280,11 @@ class Engine:
                                  f"{self.tp.size} (AdapterStore(..., tp=tensor_parallel))")
             self.params = tp_mod.shard_params(params, self.tp)
         self.max_model_len = max_model_len
-        if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None:
+        # Not on the CPU: XLA:CPU's cached executables can crash the process that loads them (a
+        # segfault inside the cache read, seen in this repository's suite on a warm cache; jax
+        # issues 24982 and 28908), and CPU compiles are short. GPU compiles are what it saves.
+        if opts.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None and \
+                jax.default_backend() != "cpu":
             jax.config.update("jax_compilation_cache_dir", opts.compilation_cache_dir)
         self.ps = opts.page_size
         self._result_rows = _pow2(max(opts.max_num_seqs + opts.max_prefill_seqs, opts.min_decode_batch))
