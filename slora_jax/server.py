@@ -269,7 +269,8 @@ def _sampling(body: dict, *, chat: bool, limits: _Limits, prompt_lens: list[int]
 # chat template
 
 class ChatFormatter:
-    """messages -> prompt token ids, through tokenizer_config.json's chat_template when there is one."""
+    """messages -> prompt token ids, through the model's chat template when it has one:
+    tokenizer_config.json's chat_template, else a chat_template.jinja file beside it."""
 
     def __init__(self, model_dir: str | None, tokenizer):
         self.tokenizer = tokenizer
@@ -279,13 +280,14 @@ class ChatFormatter:
         if model_dir is None or tokenizer is None:
             return
         cfg_file = Path(model_dir) / "tokenizer_config.json"
-        if not cfg_file.is_file():
-            return
-        conf = json.loads(cfg_file.read_text())
+        jinja_file = Path(model_dir) / "chat_template.jinja"  # where newer checkpoints (Qwen3) keep it
+        conf = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         tmpl = conf.get("chat_template")
         if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
             tmpl = named.get("default") or next(iter(named.values()), None)
+        if not tmpl and jinja_file.is_file():
+            tmpl = jinja_file.read_text()
         if not tmpl:
             return
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):

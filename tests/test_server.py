@@ -248,6 +248,14 @@ def test_chat_template_from_tokenizer_config(live, client, tmp_path):
     one = [{"role": "user", "content": "hi"}]
     ids = fmt.encode(one)
     assert 17 <= len(ids) <= 32 and ids[0] == 1 and ids.count(1) == 1
+    # Newer checkpoints keep the template in chat_template.jinja, beside a tokenizer_config.json
+    # without one: the same rendering.
+    jinja_dir = tmp_path / "jinja"
+    jinja_dir.mkdir()
+    shutil.copy(tmp_path / "tokenizer.json", jinja_dir / "tokenizer.json")
+    (jinja_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (jinja_dir / "chat_template.jinja").write_text(template)
+    assert ChatFormatter(str(jinja_dir), srv.llm.tokenizer).encode(one) == ids
     saved, srv.chat = srv.chat, fmt
     try:
         r = reference(srv, [ids], [None])[0]
