@@ -15,6 +15,24 @@ CONFIG_DIR = Path(os.environ.get("SLORA_CONFIG_DIR", Path(__file__).resolve().pa
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")  # read the same x; Qwen2's biased projections
+
+# A projection's extra tensors sit beside its weight in a layer's params (model.Params) under
+# these suffixes: its bias (weights.py reads it) and its int8 row scales (quant.py makes them).
+BIAS, SCALE = "_bias", "_scale"
+
+
+def bias_key(module: str) -> str:
+    return module + BIAS
+
+
+def scale_key(module: str) -> str:
+    return module + SCALE
+
+
+def projection_of(key: str) -> str:
+    """The projection a layer-params key belongs to: "q_proj_scale" -> "q_proj" (others unchanged)."""
+    return key.removesuffix(BIAS).removesuffix(SCALE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +125,6 @@ class ModelConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-
-
-QKV_MODULES = ("q_proj", "k_proj", "v_proj")
 
 
 def _bias_modules(arch: str, d: dict) -> tuple[str, ...]:

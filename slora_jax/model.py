@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slora_jax.config import ModelConfig
+from slora_jax.config import ModelConfig, bias_key, scale_key
 
 Params = dict[str, Any]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -86,14 +86,14 @@ def linear_q(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
 def _proj(layer_params: Params, i: int, module: str, x: jax.Array, lora: LoraApply | None, kv,
           bias: bool = True) -> jax.Array:
     """x W^T (+ the projection's bias, if it has one and `bias`) + the adapters' delta."""
-    y = linear_q(x, layer_params[module], layer_params.get(module + "_scale"))  # quant.scale_key
+    y = linear_q(x, layer_params[module], layer_params.get(scale_key(module)))
     if bias:
         y = _add_bias(layer_params, module, y)
     return y if lora is None else lora(i, module, x, y, kv)
 
 
 def _add_bias(layer_params: Params, module: str, y: jax.Array) -> jax.Array:
-    b = layer_params.get(module + "_bias")  # weights.bias_key
+    b = layer_params.get(bias_key(module))
     return y if b is None else y + b.astype(y.dtype)
 
 

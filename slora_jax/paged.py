@@ -21,7 +21,7 @@ import numpy as np
 from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model, tp as tp_mod
-from slora_jax.config import ModelConfig
+from slora_jax.config import QKV_MODULES, ModelConfig
 from slora_jax.sampling import sample
 
 
@@ -267,7 +267,7 @@ def lora_xla_expand(xa, pool_layer, b_rows, max_rank: int, fout: int):
     return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)
 
 
-QKV = ("q_proj", "k_proj", "v_proj")  # modules that read the same x: one grouped shrink (Pallas)
+QKV = QKV_MODULES  # modules that read the same x: one grouped shrink (Pallas)
 
 
 def qkv_group(modules) -> tuple[str, ...]:

@@ -16,14 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from slora_jax.config import TARGET_MODULES
+from slora_jax.config import TARGET_MODULES, scale_key
 
 QUANTIZATIONS = ("int8",)
-
-
-def scale_key(module: str) -> str:
-    """A quantized projection's row scales in a layer's params: "q_proj_scale"."""
-    return module + "_scale"
 
 
 @jax.jit

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from slora_jax.config import ModelConfig
+from slora_jax.config import ModelConfig, projection_of
 
 AXIS = "tp"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -80,7 +80,7 @@ def param_specs(params) -> dict:
     def layer(p: dict) -> dict:  # a bias or int8 scales: split with a column module's outputs, whole
         # beside a row module (its scales multiply the devices' partial sums alike)
         return {k: P(AXIS, None) if k in COLUMN else P(None, AXIS) if k in ROW else
-                P(AXIS) if k.removesuffix("_bias").removesuffix("_scale") in COLUMN else P() for k in p}
+                P(AXIS) if projection_of(k) in COLUMN else P() for k in p}
     return {k: [layer(p) for p in v] if k == "layers" else P() for k, v in params.items()}
 
 

@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from slora_jax.config import ATTN_MODULES, MLP_MODULES, ModelConfig
+from slora_jax.config import ATTN_MODULES, BIAS, MLP_MODULES, QKV_MODULES, ModelConfig, bias_key
 
 Params = dict[str, Any]
 TreePath = tuple[str | int, ...]
@@ -92,11 +92,6 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
 
 
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms (ModelConfig.qk_norm)
-
-
-def bias_key(module: str) -> str:
-    """A projection's bias in a layer's params (model.Params): "q_proj_bias"."""
-    return module + "_bias"
 
 
 def _empty_tree(cfg: ModelConfig) -> Params:
@@ -252,7 +247,7 @@ def load_hf_weights(model_dir: str | os.PathLike, cfg: ModelConfig, dtype="bfloa
 def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """ModelConfig in Hugging Face LlamaConfig names."""
     eos = cfg.eos_token_id
-    qwen2 = set(cfg.bias_modules) == {"q_proj", "k_proj", "v_proj"}  # Llama's flags cannot say q, k, v only
+    qwen2 = set(cfg.bias_modules) == set(QKV_MODULES)  # Llama's flags cannot say q, k, v only
     if (qwen2 and cfg.qk_norm) or (not qwen2 and cfg.bias_modules and set(cfg.bias_modules) not in (
             set(ATTN_MODULES), set(MLP_MODULES), set(ATTN_MODULES + MLP_MODULES))):
         raise ValueError(f"bias_modules {cfg.bias_modules}, qk_norm {cfg.qk_norm}: no Hugging Face config says that")
@@ -336,7 +331,7 @@ def _leaf_stats(path: TreePath, shape: tuple[int, ...], cfg: ModelConfig) -> tup
     scale, the residual stream grows only like sqrt(layers), and the logits come out with std ~1
     (finite, not peaked) at any depth and in bf16. Norm weights are 1 + noise so they matter.
     """
-    if path[-1].endswith("_bias"):
+    if path[-1].endswith(BIAS):
         return 0.0, 0.1
     if len(shape) == 1:
         return 1.0, 0.1
