@@ -157,6 +157,15 @@ BLOCKS = {
     # adapters hold several tokens each (its dots are full reductions, one per A^T row and token),
     # so it stays off; the engine would need the step's tokens-per-adapter to pick per step.
     "mgpu": dict(decode=False, col_tile=256, shrink_rows=4, per_slot=True, slot_tokens=4),
+    # onetrip (pallas_kernels/onetrip.py): a decode step's shrink and expand as programs of one
+    # memory trip each, their tables built on the host (shrink_plan / expand_plan), where the pool
+    # width divides the module's in (shrink) / out (expand). decode: the engine's decode steps use it.
+    # block_t: tokens a block (the dots' M side); rank_tile: A^T rows a shrink unit and the expand's
+    # rank tile; k_tile: `in` columns a shrink unit (splits = in / k_tile, met by atomic adds);
+    # max_programs: the shrink's programs (each walks units p, p + P, ...); col_tile: the expand's
+    # output columns a program.
+    "onetrip": dict(decode=False, block_t=16, rank_tile=16, k_tile=256, max_programs=1024, col_tile=128,
+                    shrink_warps=4, expand_warps=4, num_stages=1),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program

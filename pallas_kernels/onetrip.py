@@ -1,0 +1,276 @@
+"""A decode step's LoRA pair in programs of one memory trip each (S-LoRA's MBGMV, issue 4).
+
+Why. In a decode step each adapter holds a token or two, so a LoRA program moves a few KB and its
+time is its chain of dependent memory trips, not its bytes. lora.py's pair reads a schedule entry,
+then the slot's rank and row indices, then the rows, and walks rank tiles or column chunks in a
+loop: three or more trips before its first row arrives. Here the host builds, with the step's other
+inputs, one table entry per unit of work that holds everything a program needs before its gather:
+its token range, its count of live rows, its output column and the pool rows themselves
+(`shrink_plan`, `expand_plan`; the row indices are the step's, the same in every layer, so one
+table serves all layers). A program reads its entry and the live total (trip one), then all its
+weight rows, x or xa, and y together (trip two), computes and stores.
+
+Shrink (`onetrip_shrink`): a unit is (token block of block_t tokens, rank tile of rank_tile A^T
+rows, split of k_tile `in` columns); xa[tokens, tile] += x[tokens, split] @ A^T[tile, split]^T, the
+splits meeting in a zeroed float32 xa by atomic adds (split-K gives a decode step enough programs
+of one tile each). Modules that read the same x (q, k, v) are one launch: a unit's xa column says
+whose. Programs walk units p, p + P, ... below the live total (P <= max_programs), so a unit bound
+that the ranks leave half empty costs no programs.
+
+Expand (`onetrip_expand`): a unit is (token block, col_tile output columns); every rank tile of the
+slot's B rows is gathered in the same trip (rows past the rank masked off: no traffic), and each
+live tile's dot is added under a branch, so compute on padding stays within one rank tile whatever
+the batch's max rank. y += xa @ B in y's dtype, in place.
+
+Where: every A^T row (shrink) and every B row (expand) is a whole number of pool rows, i.e. the pool
+width W divides `in` (`out`): q, k, v and o of Llama-family models at any GQA ratio. Other widths
+(llama-7b's MLP, 11008) keep lora.py's pair (`applies`). References: lora.py's
+lora_shrink_reference / lora_expand_reference on the same slots (tests/test_onetrip.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.lora import BLOCKS
+
+# Defaults; BLOCKS["onetrip"] (lora.py, overridable by set_blocks / SLORA_LORA_BLOCKS) holds the live
+# values: decode (the engine uses the pair for decode steps where it applies), the shrink's
+# block_t / rank_tile / k_tile / max_programs and warps, the expand's col_tile and warps.
+
+
+def applies(width: int, features: int) -> bool:
+    """Whether a matrix of `features` columns (A^T: in; B: out) is whole pool rows of width W."""
+    return features % width == 0 and width % 16 == 0
+
+
+def _settings() -> dict:
+    return BLOCKS["onetrip"]
+
+
+def _tile(width: int, cap: int) -> int:
+    """The largest power of two dividing W, at most cap: a tile never straddles two pool rows."""
+    return min(width & -width, cap)
+
+
+def _bound_blocks(t: int, slots: int, block_t: int) -> int:
+    """The most token blocks `slots` segments of t tokens in all can need: sum ceil(len / block_t)."""
+    return max(1, (t + slots * (block_t - 1)) // block_t)
+
+
+def _token_blocks(seg_starts: np.ndarray, live: np.ndarray, block_t: int):
+    """(slot, first token, segment end) of every block_t-token block of the live slots' segments."""
+    lens = np.maximum(np.diff(seg_starts), 0)
+    nblk = np.where(live, -(-lens // block_t), 0)
+    slot = np.repeat(np.arange(len(lens)), nblk)
+    local = np.arange(len(slot)) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+    return slot, seg_starts[slot] + local * block_t, seg_starts[slot + 1]
+
+
+def shrink_plan(ranks, a_rows, seg_starts, t: int, *, fin: int, width: int, max_rank: int, settings=None):
+    """The grouped shrink's table, on the host (numpy): (total [1], meta [U, 4], rid [U, m, RT])
+    int32 for G modules reading one x. ranks [G, Sa] (0: no A for the module), a_rows [G, Sa, RA]
+    the step's A^T row indices (lora.py's layout), seg_starts [Sa + 1]. Item i (a token block and
+    a rank tile of one module's slot) has meta (first token, segment end, live rows, xa column)
+    and rid[i, c] its rank rows' pool rows for the c-th W columns of `in`; total = items * splits
+    (the units). U bounds the items of any step of this shape."""
+    s = settings or _settings()
+    bt, rt = s["block_t"], s["rank_tile"]
+    ranks = np.minimum(np.asarray(ranks, np.int32).reshape(-1, np.shape(ranks)[-1]), max_rank)
+    a_rows = np.asarray(a_rows, np.int32).reshape(ranks.shape[0], ranks.shape[1], -1)
+    seg_starts = np.asarray(seg_starts, np.int32)
+    g_count, slots = ranks.shape
+    m = fin // width
+    tiles = -(-max_rank // rt)
+    bound = g_count * _bound_blocks(t, slots, bt) * tiles
+    metas, rids = [], []
+    for g in range(g_count):
+        slot, tok0, tok1 = _token_blocks(seg_starts, ranks[g] > 0, bt)
+        ntile = -(-ranks[g, slot] // rt)
+        item_slot = np.repeat(slot, ntile)
+        k = np.arange(len(item_slot)) - np.repeat(np.cumsum(ntile) - ntile, ntile)
+        live = np.minimum(ranks[g, item_slot] - k * rt, rt)
+        metas.append(np.stack([np.repeat(tok0, ntile), np.repeat(tok1, ntile), live,
+                               g * tiles * rt + k * rt], axis=1))
+        j = k[:, None] * rt + np.arange(rt)[None, :]                       # rank rows [items, RT]
+        col = (j[:, None, :] * m + np.arange(m)[None, :, None])            # A^T row j's c-th pool row
+        rid = a_rows[g, item_slot[:, None, None], np.minimum(col, a_rows.shape[-1] - 1)]
+        rids.append(np.where((j < ranks[g, item_slot][:, None])[:, None, :], rid, 0))
+    meta = np.concatenate(metas) if metas else np.zeros((0, 4), np.int32)
+    rid = np.concatenate(rids) if rids else np.zeros((0, m, rt), np.int32)
+    n = len(meta)
+    assert n <= bound, (n, bound)
+    meta_out = np.zeros((bound, 4), np.int32)
+    rid_out = np.zeros((bound, m, rt), np.int32)
+    meta_out[:n], rid_out[:n] = meta, rid
+    splits = _splits(fin, width, s)
+    return np.array([n * splits], np.int32), meta_out, rid_out
+
+
+def expand_plan(ranks, b_rows, seg_starts, t: int, *, fout: int, width: int, max_rank: int, settings=None):
+    """One module's expand table, on the host (numpy): (total [1], meta [NB, 4], rid [NB, m, Rw])
+    int32. Block b (block_t tokens of one slot) has meta (first token, segment end, rank, 0) and
+    rid[b, c] the slot's B rows' pool rows for the c-th W columns of `out` (rows past the rank: 0);
+    total = the live blocks. Rw = max_rank in whole rank tiles."""
+    s = settings or _settings()
+    bt, rt = s["block_t"], s["rank_tile"]
+    ranks = np.minimum(np.asarray(ranks, np.int32), max_rank)
+    b_rows = np.asarray(b_rows, np.int32)
+    seg_starts = np.asarray(seg_starts, np.int32)
+    m = fout // width
+    rw = -(-max_rank // rt) * rt
+    bound = _bound_blocks(t, len(ranks), bt)
+    slot, tok0, tok1 = _token_blocks(seg_starts, ranks > 0, bt)
+    n = len(slot)
+    j = np.arange(rw)
+    col = np.minimum(j[None, :] * m + np.arange(m)[:, None], b_rows.shape[-1] - 1)   # [m, Rw]
+    rid = np.where(j[None, None, :] < ranks[slot][:, None, None], b_rows[slot][:, col], 0)
+    meta_out = np.zeros((bound, 4), np.int32)
+    rid_out = np.zeros((bound, m, rw), np.int32)
+    meta_out[:n] = np.stack([tok0, tok1, ranks[slot], np.zeros_like(slot)], axis=1)
+    rid_out[:n] = rid
+    return np.array([n], np.int32), meta_out, rid_out
+
+
+def _splits(fin: int, width: int, s: dict) -> int:
+    return fin // _tile(width, s["k_tile"])
+
+
+def _params(interpret: bool, warps: int, stages: int):
+    return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref, *, n_programs, splits,
+                   block_t, rank_tile, k_tile, width, dtype, atomic, interpret):
+    p = pl.program_id(0)
+    total = total_ref[0]
+
+    def read(w):  # unit w's entry: item w // splits, split w % splits; all loads from program ids
+        i, q = jax.lax.div(w, splits), jax.lax.rem(w, splits)
+        c0 = q * k_tile
+        return (meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2], meta_ref[i, 3], c0,
+                rid_ref[i, jax.lax.div(c0, width)])
+
+    def unit(ent):
+        tok0, tok1, live, col, c0, rid = ent
+        tok_live = tok0 + jnp.arange(block_t) < tok1
+        row_live = jnp.arange(rank_tile) < live
+        cols = pl.multiple_of(jax.lax.rem(c0, width), k_tile) + jnp.arange(k_tile)
+        at = plgpu.load(rows_ref.at[rid[:, None], cols[None, :]], mask=row_live[:, None], other=0)
+        xt = plgpu.load(x_ref.at[pl.ds(tok0, block_t), pl.ds(c0, k_tile)], mask=tok_live[:, None], other=0)
+        acc = jax.lax.dot_general(xt.astype(dtype), at.astype(dtype), (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        mask = tok_live[:, None] & row_live[None, :]
+        tile = (pl.ds(tok0, block_t), pl.ds(col, rank_tile))
+        if atomic:
+            # interpret mode's atomic add takes no mask: dead entries add zero, xa has block_t spare rows
+            plgpu.atomic_add(xa_ref, tile, jnp.where(mask, acc, 0.0), mask=None if interpret else mask)
+        else:
+            plgpu.store(xa_ref.at[tile], acc, mask=mask)
+
+    trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
+
+    def step(k, ent):  # the next unit's entry is read before this unit's rows (one trip ahead)
+        nxt = read(jnp.minimum(p + (k + 1) * n_programs, total_bound - 1))
+        unit(ent)
+        return nxt
+    total_bound = meta_ref.shape[0] * splits
+    jax.lax.fori_loop(0, trips, step, read(p))
+
+
+def _expand_kernel(total_ref, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, *, block_t, rank_tile,
+                   col_tile, width, xa_col, dtype):
+    b, c = pl.program_id(0), pl.program_id(1)
+    total = total_ref[0]
+    tok0, tok1, r = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
+    c0 = c * col_tile
+    n_tiles = rid_ref.shape[-1] // rank_tile
+
+    @pl.when(b < total)
+    def _():
+        tok_live = tok0 + jnp.arange(block_t) < tok1
+        cols = pl.multiple_of(jax.lax.rem(c0, width), col_tile) + jnp.arange(col_tile)
+        u = jnp.arange(rank_tile)
+        tiles = []
+        for kt in range(n_tiles):  # every tile's loads issued before any product: one trip
+            j_live = kt * rank_tile + u < r
+            rid_k = rid_ref[b, jax.lax.div(c0, width), pl.ds(kt * rank_tile, rank_tile)]
+            bt = plgpu.load(rows_ref.at[rid_k[:, None], cols[None, :]], mask=j_live[:, None], other=0)
+            xat = plgpu.load(xa_ref.at[pl.ds(tok0, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
+                             mask=tok_live[:, None] & j_live[None, :], other=0)
+            tiles.append((bt, xat))
+        tile = (pl.ds(tok0, block_t), pl.ds(c0, col_tile))
+        y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
+        acc = jnp.zeros((block_t, col_tile), jnp.float32)
+        for kt, (bt, xat) in enumerate(tiles):
+            def add(a, bt=bt, xat=xat):
+                return a + jax.lax.dot_general(xat.astype(dtype), bt.astype(dtype), (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+            acc = add(acc) if kt == 0 else jax.lax.cond(kt * rank_tile < r, add, lambda a: a, acc)
+        plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
+                    mask=tok_live[:, None])
+
+
+def _pad_rows(a, rows: int):
+    return a if a.shape[0] >= rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("n_modules", "max_rank", "interpret"))
+def onetrip_shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool = False):
+    """xa [T + block_t, G * Rw] float32 of G modules reading x [T, in] (module g's columns from
+    g * Rw, Rw = max_rank in whole rank tiles; rows past T are padding), from shrink_plan's tables.
+    rows [N, W]: one layer's pool as rows."""
+    s = _settings()
+    total, meta, rid = plan
+    t, fin = x.shape
+    width = rows.shape[1]
+    bt, rt, kt = s["block_t"], s["rank_tile"], _tile(width, s["k_tile"])
+    assert applies(width, fin), (width, fin)
+    splits = _splits(fin, width, s)
+    units = meta.shape[0] * splits
+    n_programs = max(1, min(units, s["max_programs"]))
+    rw = -(-max_rank // rt) * rt
+    out = jax.ShapeDtypeStruct((t + bt, n_modules * rw), jnp.float32)
+    if interpret:  # interpret mode clamps a block's slice at the end of x instead of masking it
+        x = _pad_rows(x, t + bt)
+    kernel = functools.partial(_shrink_kernel, n_programs=n_programs, splits=splits, block_t=bt, rank_tile=rt,
+                               k_tile=kt, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
+                               atomic=splits > 1, interpret=interpret)
+    return pl.pallas_call(
+        kernel, grid=(n_programs,), out_shape=out,
+        input_output_aliases={5: 0} if splits > 1 else {},
+        interpret=interpret, compiler_params=_params(interpret, s["shrink_warps"], s["num_stages"]),
+        name="lora_shrink_onetrip",
+    )(total.astype(jnp.int32), meta.astype(jnp.int32), rid.astype(jnp.int32), x, rows,
+      jnp.zeros(out.shape, jnp.float32) if splits > 1 else jnp.zeros((1, 1), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("xa_col", "interpret"))
+def onetrip_expand(y, xa, rows, plan, *, xa_col: int = 0, interpret: bool = False):
+    """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of each slot s (others unchanged), in y's
+    dtype, from expand_plan's tables. xa [>= T + block_t, ...] float32 from onetrip_shrink."""
+    s = _settings()
+    total, meta, rid = plan
+    t, fout = y.shape
+    width = rows.shape[1]
+    bt, rt = s["block_t"], s["rank_tile"]
+    col_tile = _tile(width, s["col_tile"])
+    assert applies(width, fout), (width, fout)
+    assert rid.shape[-1] % rt == 0 and xa.shape[-1] >= xa_col + rid.shape[-1], (rid.shape, xa.shape, xa_col)
+    y_in = _pad_rows(y, t + bt) if interpret else y
+    kernel = functools.partial(_expand_kernel, block_t=bt, rank_tile=rt, col_tile=col_tile, width=width,
+                               xa_col=xa_col, dtype=rows.dtype)
+    out = pl.pallas_call(
+        kernel, grid=(meta.shape[0], fout // col_tile),
+        out_shape=jax.ShapeDtypeStruct(y_in.shape, y.dtype),
+        input_output_aliases={5: 0},  # base tokens keep y
+        interpret=interpret, compiler_params=_params(interpret, s["expand_warps"], s["num_stages"]),
+        name="lora_expand_onetrip",
+    )(total.astype(jnp.int32), meta.astype(jnp.int32), rid.astype(jnp.int32), _pad_rows(xa, t + bt), rows, y_in)
+    return out[:t] if interpret else out
