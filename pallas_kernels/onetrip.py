@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.lora import BLOCKS
+from pallas_kernels.lora import BLOCKS, _interpret
 
 # Defaults; BLOCKS["onetrip"] (lora.py, overridable by set_blocks / SLORA_LORA_BLOCKS) holds the live
 # values: decode (the engine uses the pair for decode steps where it applies), the shrink's
@@ -221,11 +221,21 @@ def _pad_rows(a, rows: int):
     return a if a.shape[0] >= rows else jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("n_modules", "max_rank", "interpret"))
-def onetrip_shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool = False):
+def onetrip_shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool | None = None):
     """xa [T + block_t, G * Rw] float32 of G modules reading x [T, in] (module g's columns from
     g * Rw, Rw = max_rank in whole rank tiles; rows past T are padding), from shrink_plan's tables.
-    rows [N, W]: one layer's pool as rows."""
+    rows [N, W]: one layer's pool as rows. interpret None: on the CPU."""
+    return _shrink(x, rows, tuple(plan), n_modules=n_modules, max_rank=max_rank, interpret=_interpret(interpret))
+
+
+def onetrip_expand(y, xa, rows, plan, *, xa_col: int = 0, interpret: bool | None = None):
+    """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of each slot s (others unchanged), in y's
+    dtype, from expand_plan's tables. xa [>= T + block_t, ...] float32 from onetrip_shrink."""
+    return _expand(y, xa, rows, tuple(plan), xa_col=xa_col, interpret=_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("n_modules", "max_rank", "interpret"))
+def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool):
     s = _settings()
     total, meta, rid = plan
     t, fin = x.shape
@@ -252,9 +262,7 @@ def onetrip_shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: b
 
 
 @functools.partial(jax.jit, static_argnames=("xa_col", "interpret"))
-def onetrip_expand(y, xa, rows, plan, *, xa_col: int = 0, interpret: bool = False):
-    """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of each slot s (others unchanged), in y's
-    dtype, from expand_plan's tables. xa [>= T + block_t, ...] float32 from onetrip_shrink."""
+def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool):
     s = _settings()
     total, meta, rid = plan
     t, fout = y.shape

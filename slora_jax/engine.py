@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from pallas_kernels.lora import (block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
+from pallas_kernels.lora import (BLOCKS, block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
                                  mbgmv_shrink, shrink_schedule)
 from slora_jax import paged, tp as tp_mod
 from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
@@ -880,12 +880,13 @@ class Engine:
                                     self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])
                 if bt != block_t:
                     shrink_bt[name] = bt
+        schedules = self._schedules(ranks, seg_starts, t, backend, group, block_t, self.opts.max_lora_rank, shrink_bt)
+        if decode and backend == "pallas" and self.tp is None and BLOCKS["onetrip"]["decode"]:
+            schedules.update(paged.onetrip_plans(rows, ranks, seg_starts, t, self.cfg, group, self.opts.max_lora_rank))
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
-                                schedules=self._schedules(ranks, seg_starts, t, backend, group, block_t,
-                                                          self.opts.max_lora_rank, shrink_bt),
-                                block_t=block_t, shrink_block_t=tuple(sorted(shrink_bt.items())))
+                                schedules=schedules, block_t=block_t, shrink_block_t=tuple(sorted(shrink_bt.items())))
 
     @staticmethod
     def _shrink_launch_names(modules, group_qkv: bool) -> list[str]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import onetrip
 from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model, tp as tp_mod
@@ -286,6 +287,33 @@ def stack_qkv(rows: dict, ranks: dict, backend: str, group_qkv: bool) -> tuple[d
     return {m: ((None, b) if m in group else (a, b)) for m, (a, b) in rows.items()}, fields
 
 
+def onetrip_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg: ModelConfig, group_qkv: bool,
+                  max_rank: int) -> dict:
+    """Host side of a decode step's one-trip pair (pallas_kernels/onetrip.py, BLOCKS["onetrip"]):
+    schedules["onetrip-shrink:" + launch] (q, k, v as launch "qkv" with group_qkv, as pool_lora
+    groups them) and schedules["onetrip-expand:" + module], for each shrink launch whose shrink
+    and every expand the pair serves (the pool width divides in and each out); pool_lora takes the
+    pair where these are present. rows / ranks: the step's per-module arrays (before stack_qkv)."""
+    width, out = cfg.kv_size, {}
+    group = qkv_group(rows)
+    launches = [(m,) for m in rows if not (group_qkv and len(group) > 1 and m in QKV)]
+    if group_qkv and len(group) > 1:
+        launches.append(group)
+    for mods in launches:
+        fin = cfg.module_shape(mods[0])[0]
+        if not (onetrip.applies(width, fin) and all(onetrip.applies(width, cfg.module_shape(m)[1]) for m in mods)):
+            continue
+        name = "qkv" if len(mods) > 1 else mods[0]
+        out["onetrip-shrink:" + name] = onetrip.shrink_plan(
+            np.stack([ranks[m] for m in mods]), np.stack([rows[m][0] for m in mods]), seg_starts, t, fin=fin,
+            width=width, max_rank=max_rank)
+        for m in mods:
+            out["onetrip-expand:" + m] = onetrip.expand_plan(ranks[m], rows[m][1], seg_starts, t,
+                                                             fout=cfg.module_shape(m)[1], width=width,
+                                                             max_rank=max_rank)
+    return out
+
+
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
@@ -352,8 +380,13 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
             group = qkv_group(lora.rows)
         launch = "qkv" if len(group) > 1 else module
         shrink_bt = dict(lora.shrink_block_t).get(launch, lora.block_t)  # 1: a decode step's (MBGMV)
+        plans = lora.schedules or {}
+        one_trip = "onetrip-shrink:" + launch in plans  # a decode step's one-trip pair (onetrip_plans)
         seen = shrunk.get(layer)
-        if seen is None or seen[0] is not key or seen[1] != group:
+        if one_trip and (seen is None or seen[0] is not key or seen[1] != group):
+            seen = shrunk[layer] = (key, group, onetrip.onetrip_shrink(
+                x, rows, plans["onetrip-shrink:" + launch], n_modules=len(group), max_rank=lora.max_rank))
+        elif seen is None or seen[0] is not key or seen[1] != group:
             group_schedule = lora.schedules.get("shrink:" + launch) if lora.schedules else None
             if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
                 a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
@@ -365,6 +398,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
                 token_slot=lora.token_slot)))
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
+        if one_trip:
+            return onetrip.onetrip_expand(y, xa, rows, plans["onetrip-expand:" + module], xa_col=col)
         return lora_expand(y, xa, rows, b_rows, lora.ranks[module], lora.seg_starts, max_rank=lora.max_rank,
                            out_features=fout, schedule=schedule, xa_col=col, block_t=lora.block_t,
                            decode=shrink_bt == 1, token_slot=lora.token_slot)

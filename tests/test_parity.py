@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -262,23 +263,36 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "per_layer"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "onetrip_lora",
+                                    "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
     evicted and paged in again mid-run, requests queue); through the Pallas LoRA and decode
-    attention kernels, and with the fused LoRA kernel (one launch a module; q, k and v in one
-    on the mha model); and compiled one decoder layer at a time (compile_per_layer). Every row
-    still matches the oracle."""
+    attention kernels, with the fused LoRA kernel (one launch a module; q, k and v in one on the
+    mha model), and with the one-trip decode pair (pallas_kernels/onetrip.py, its tables built on
+    the host); and compiled one decoder layer at a time (compile_per_layer). Every row still
+    matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config in ("pallas_kernels", "fused_lora"):  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
+        if config == "onetrip_lora":
+            from pallas_kernels import lora, onetrip
+            from slora_jax import paged
+            monkeypatch.setitem(lora.BLOCKS, "onetrip", {**lora.BLOCKS["onetrip"], "decode": True})
+            launches, real = [], onetrip.onetrip_shrink
+
+            def spy(x, rows, plan, *, n_modules, **kw):
+                launches.append(n_modules)
+                return real(x, rows, plan, n_modules=n_modules, **kw)
+            monkeypatch.setattr(paged.onetrip, "onetrip_shrink", spy)
+            jax.clear_caches()  # BLOCKS is read at trace time
         if config == "fused_lora":
             from pallas_kernels import lora
             from slora_jax import paged
@@ -308,5 +322,8 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert stats["evictions"] > 0, stats
     if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
         assert max(launches) == (3 if model == "mha" else 1), launches
+    if config == "onetrip_lora":  # decode steps took it, q, k and v in one shrink launch
+        assert launches and max(launches) == 3, launches
+        jax.clear_caches()
     assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
     llm.engine.pool.check()
