@@ -148,11 +148,11 @@ if has onetrip; then
     tests/test_onetrip.py tests/test_parity.py -k "onetrip or Onetrip" > "$OUT/onetrip-pytest.log" 2>&1
   echo "onetrip pytest rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/onetrip-pytest.log" | tail -8
   timeout "${T_OT_KERNELS:-200}" python3 bench/kernels.py --skip attention --modules qkvo --tokens "${OT_TOKENS:-64,256}" \
-    --adapters "${OT_ADAPTERS:-8,32,256}" --lora-variants "${OT_VARIANTS:-pallas,onetrip}" --y-dtype bfloat16 \
+    --adapters "${OT_ADAPTERS:-8,32,256}" --lora-variants "${OT_VARIANTS:-pallas,onetrip,onetrip1}" --y-dtype bfloat16 \
     --device-time --read-floor --out "$OUT/onetrip-kernels.json" > "$OUT/onetrip-kernels.log" 2>&1
   echo "onetrip kernels rc=$?"; grep -E "^lora|device time|kernels \(us|read floor|PASS|FAIL|ERROR" "$OUT/onetrip-kernels.log" | tail -30
   ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"shrink_warps":2}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}}'}
-  OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=onetrip \
+  OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=onetrip,onetrip1 \
     T_SWEEP=${T_OT_SWEEP:-60} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   OUT=$OUT/onetrip-profile PROFILE_BATCH=172 PROFILE_CONTEXT=430 PROFILE_ADAPTERS=156 PROFILE_RANKS=64,32,16,8 \
     PROFILE_BACKENDS=hybrid/pallas/grouped T_PROFILE=${T_OT_PROFILE:-120} \

@@ -74,11 +74,11 @@ def _token_blocks(seg_starts: np.ndarray, live: np.ndarray, block_t: int):
 
 
 def shrink_plan(ranks, a_rows, seg_starts, t: int, *, fin: int, width: int, max_rank: int, settings=None):
-    """The grouped shrink's table, on the host (numpy): (total [1], meta [U, 4], rid [U, m, RT])
+    """The grouped shrink's table, on the host (numpy): (total [1], meta [U, 5], rid [U, m, RT])
     int32 for G modules reading one x. ranks [G, Sa] (0: no A for the module), a_rows [G, Sa, RA]
     the step's A^T row indices (lora.py's layout), seg_starts [Sa + 1]. Item i (a token block and
-    a rank tile of one module's slot) has meta (first token, segment end, live rows, xa column)
-    and rid[i, c] its rank rows' pool rows for the c-th W columns of `in`; total = items * splits
+    a rank tile of one module's slot) has meta (first token, segment end, live rows, xa column,
+    block: g * NB + the block's place in module g's expand_plan) and rid[i, c] its rank rows' pool rows for the c-th W columns of `in`; total = items * splits
     (the units). U bounds the items of any step of this shape."""
     s = settings or _settings()
     bt, rt = s["block_t"], s["rank_tile"]
@@ -88,7 +88,8 @@ def shrink_plan(ranks, a_rows, seg_starts, t: int, *, fin: int, width: int, max_
     g_count, slots = ranks.shape
     m = fin // width
     tiles = -(-max_rank // rt)
-    bound = g_count * _bound_blocks(t, slots, bt) * tiles
+    nb = _bound_blocks(t, slots, bt)
+    bound = g_count * nb * tiles
     metas, rids = [], []
     for g in range(g_count):
         slot, tok0, tok1 = _token_blocks(seg_starts, ranks[g] > 0, bt)
@@ -96,17 +97,18 @@ def shrink_plan(ranks, a_rows, seg_starts, t: int, *, fin: int, width: int, max_
         item_slot = np.repeat(slot, ntile)
         k = np.arange(len(item_slot)) - np.repeat(np.cumsum(ntile) - ntile, ntile)
         live = np.minimum(ranks[g, item_slot] - k * rt, rt)
+        blk = g * nb + np.repeat(np.arange(len(slot)), ntile)   # the item's block in expand_plan's order
         metas.append(np.stack([np.repeat(tok0, ntile), np.repeat(tok1, ntile), live,
-                               g * tiles * rt + k * rt], axis=1))
+                               g * tiles * rt + k * rt, blk], axis=1))
         j = k[:, None] * rt + np.arange(rt)[None, :]                       # rank rows [items, RT]
         col = (j[:, None, :] * m + np.arange(m)[None, :, None])            # A^T row j's c-th pool row
         rid = a_rows[g, item_slot[:, None, None], np.minimum(col, a_rows.shape[-1] - 1)]
         rids.append(np.where((j < ranks[g, item_slot][:, None])[:, None, :], rid, 0))
-    meta = np.concatenate(metas) if metas else np.zeros((0, 4), np.int32)
+    meta = np.concatenate(metas) if metas else np.zeros((0, 5), np.int32)
     rid = np.concatenate(rids) if rids else np.zeros((0, m, rt), np.int32)
     n = len(meta)
     assert n <= bound, (n, bound)
-    meta_out = np.zeros((bound, 4), np.int32)
+    meta_out = np.zeros((bound, 5), np.int32)
     rid_out = np.zeros((bound, m, rt), np.int32)
     meta_out[:n], rid_out[:n] = meta, rid
     splits = _splits(fin, width, s)
@@ -146,19 +148,19 @@ def _params(interpret: bool, warps: int, stages: int):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref, *, n_programs, splits,
-                   block_t, rank_tile, k_tile, width, dtype, atomic, interpret):
-    p = pl.program_id(0)
-    total = total_ref[0]
+def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_ref, *, splits, block_t, rank_tile,
+                  k_tile, width, dtype, atomic, interpret, done=None):
+    """Program p's shrink units p, p + n_programs, ... below total. done(block): called after each
+    unit's sums are in xa, with the unit's token block (meta column 4)."""
 
     def read(w):  # unit w's entry: item w // splits, split w % splits; all loads from program ids
         i, q = jax.lax.div(w, splits), jax.lax.rem(w, splits)
         c0 = q * k_tile
-        return (meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2], meta_ref[i, 3], c0,
+        return (meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2], meta_ref[i, 3], meta_ref[i, 4], c0,
                 rid_ref[i, jax.lax.div(c0, width)])
 
     def unit(ent):
-        tok0, tok1, live, col, c0, rid = ent
+        tok0, tok1, live, col, blk, c0, rid = ent
         tok_live = tok0 + jnp.arange(block_t) < tok1
         row_live = jnp.arange(rank_tile) < live
         cols = pl.multiple_of(jax.lax.rem(c0, width), k_tile) + jnp.arange(k_tile)
@@ -173,21 +175,27 @@ def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref
             plgpu.atomic_add(xa_ref, tile, jnp.where(mask, acc, 0.0), mask=None if interpret else mask)
         else:
             plgpu.store(xa_ref.at[tile], acc, mask=mask)
+        if done is not None:
+            done(blk)
 
+    total_bound = meta_ref.shape[0] * splits
     trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
 
     def step(k, ent):  # the next unit's entry is read before this unit's rows (one trip ahead)
         nxt = read(jnp.minimum(p + (k + 1) * n_programs, total_bound - 1))
         unit(ent)
         return nxt
-    total_bound = meta_ref.shape[0] * splits
-    jax.lax.fori_loop(0, trips, step, read(p))
+    jax.lax.fori_loop(0, trips, step, read(jnp.minimum(p, total_bound - 1)))
 
 
-def _expand_kernel(total_ref, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, *, block_t, rank_tile,
-                   col_tile, width, xa_col, dtype):
-    b, c = pl.program_id(0), pl.program_id(1)
-    total = total_ref[0]
+def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref, *, n_programs, **kw):
+    _shrink_units(pl.program_id(0), n_programs, total_ref[0], meta_ref, rid_ref, x_ref, rows_ref, xa_ref, **kw)
+
+
+def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, *, block_t, rank_tile,
+                 col_tile, width, xa_col, dtype, wait=None):
+    """Block b's column tile c: y + xa @ B. Every B tile and the y tile are loaded first (one trip),
+    then, after wait(b, rank) if given (the one-launch form: until b's shrink units are in), xa."""
     tok0, tok1, r = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
     c0 = c * col_tile
     n_tiles = rid_ref.shape[-1] // rank_tile
@@ -197,24 +205,33 @@ def _expand_kernel(total_ref, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
         tok_live = tok0 + jnp.arange(block_t) < tok1
         cols = pl.multiple_of(jax.lax.rem(c0, width), col_tile) + jnp.arange(col_tile)
         u = jnp.arange(rank_tile)
-        tiles = []
+        live = [kt * rank_tile + u < r for kt in range(n_tiles)]
+        b_tiles = []
         for kt in range(n_tiles):  # every tile's loads issued before any product: one trip
-            j_live = kt * rank_tile + u < r
             rid_k = rid_ref[b, jax.lax.div(c0, width), pl.ds(kt * rank_tile, rank_tile)]
-            bt = plgpu.load(rows_ref.at[rid_k[:, None], cols[None, :]], mask=j_live[:, None], other=0)
-            xat = plgpu.load(xa_ref.at[pl.ds(tok0, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
-                             mask=tok_live[:, None] & j_live[None, :], other=0)
-            tiles.append((bt, xat))
+            b_tiles.append(plgpu.load(rows_ref.at[rid_k[:, None], cols[None, :]], mask=live[kt][:, None], other=0))
         tile = (pl.ds(tok0, block_t), pl.ds(c0, col_tile))
         y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
+        if wait is not None:
+            wait(b, r)
+        xa_tiles = [plgpu.load(xa_ref.at[pl.ds(tok0, block_t), pl.ds(xa_col + kt * rank_tile, rank_tile)],
+                               mask=tok_live[:, None] & live[kt][None, :], other=0,
+                               volatile=wait is not None)  # from L2: sums another SM added this launch
+                                                           # (JAX 0.11.2's lowering refuses ".cg")
+                    for kt in range(n_tiles)]
         acc = jnp.zeros((block_t, col_tile), jnp.float32)
-        for kt, (bt, xat) in enumerate(tiles):
+        for kt, (bt, xat) in enumerate(zip(b_tiles, xa_tiles)):
             def add(a, bt=bt, xat=xat):
                 return a + jax.lax.dot_general(xat.astype(dtype), bt.astype(dtype), (((1,), (0,)), ((), ())),
                                                preferred_element_type=jnp.float32)
             acc = add(acc) if kt == 0 else jax.lax.cond(kt * rank_tile < r, add, lambda a: a, acc)
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
+
+
+def _expand_kernel(total_ref, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, **kw):
+    _expand_unit(pl.program_id(0), pl.program_id(1), total_ref[0], meta_ref, rid_ref, xa_ref, rows_ref, y_ref,
+                 out_ref, **kw)
 
 
 def _pad_rows(a, rows: int):
@@ -281,4 +298,92 @@ def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool):
         interpret=interpret, compiler_params=_params(interpret, s["expand_warps"], s["num_stages"]),
         name="lora_expand_onetrip",
     )(total.astype(jnp.int32), meta.astype(jnp.int32), rid.astype(jnp.int32), _pad_rows(xa, t + bt), rows, y_in)
+    return out[:t] if interpret else out
+
+
+# ---------------------------------------------------------------------------------------------
+# One launch: the shrink's programs first, then the expand's, which gather their B and y tiles at
+# once and wait only for their own block's sums.
+
+
+def _one_launch_kernel(ts_ref, ms_ref, rs_ref, te_ref, me_ref, re_ref, x_ref, rows_ref, y_ref, _xa_in, _cnt_in,
+                       out_ref, xa_ref, cnt_ref, *, n_shrink, n_col, splits, shrink_kw, expand_kw):
+    # Programs [0, n_shrink) shrink: after each unit's atomic add into xa, one more on its block's
+    # counter (acquire-release, so the sums are in L2 before the count says so). The rest expand a
+    # (block, column tile) each: B and y are read first, so those bytes stream while the shrink
+    # runs; then the program polls its block's counter until all of the block's units (its rank
+    # tiles x splits) are in, and reads xa from L2. No expand program waits on a program launched
+    # after it: the GPU starts a launch's programs in order of their index, and the shrink's come
+    # first and wait on nothing.
+    # Interpret mode runs the programs one after another in index order, so every shrink unit is in
+    # before the first expand program starts: no counters there (its discharge of a polling loop
+    # inside a program fails); plan_counts_match (tests) checks what the counts must reach.
+    p = pl.program_id(0)
+    rank_tile = expand_kw["rank_tile"]
+    counted = not shrink_kw["interpret"]
+
+    @pl.when(p < n_shrink)
+    def _():
+        def done(blk):
+            plgpu.atomic_add(cnt_ref, (blk,), jnp.int32(1))
+        _shrink_units(p, n_shrink, ts_ref[0], ms_ref, rs_ref, x_ref, rows_ref, xa_ref, done=done if counted else None,
+                      **shrink_kw)
+
+    @pl.when(p >= n_shrink)
+    def _():
+        e = p - n_shrink
+
+        def wait(b, r):
+            def poll(carry):
+                return plgpu.load(cnt_ref.at[b], volatile=True), carry[1]
+            need = units_of_block(r, rank_tile, splits)  # carried: the cond closes over nothing
+            jax.lax.while_loop(lambda carry: carry[0] < carry[1], poll, poll((0, need)))
+        _expand_unit(jax.lax.div(e, n_col), jax.lax.rem(e, n_col), te_ref[0], me_ref, re_ref, xa_ref, rows_ref,
+                     y_ref, out_ref, wait=wait if counted else None, **expand_kw)
+
+
+def units_of_block(rank, rank_tile: int, splits: int):
+    """The shrink units a token block of a slot of this (clamped) rank has: its rank tiles x splits
+    (what the one-launch expand waits for; tests check it against shrink_plan's tables)."""
+    return (rank + rank_tile - 1) // rank_tile * splits
+
+
+def onetrip_apply(y, x, rows, shrink_plan_, expand_plan_, *, max_rank: int, interpret: bool | None = None):
+    """y + (x @ A_s) @ B_s for the tokens of slot s (others unchanged), one module, in ONE launch
+    (see _one_launch_kernel): shrink_plan's tables for the module alone (G = 1), expand_plan's."""
+    return _one_launch(y, x, rows, tuple(shrink_plan_), tuple(expand_plan_), max_rank=max_rank,
+                       interpret=_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("max_rank", "interpret"))
+def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool):
+    s = _settings()
+    t, fin = x.shape
+    fout, width = y.shape[1], rows.shape[1]
+    bt, rt, kt = s["block_t"], s["rank_tile"], _tile(width, s["k_tile"])
+    col_tile = _tile(width, s["col_tile"])
+    assert applies(width, fin) and applies(width, fout), (width, fin, fout)
+    splits = _splits(fin, width, s)
+    n_shrink = max(1, min(splan[1].shape[0] * splits, s["max_programs"]))
+    nb, n_col = eplan[1].shape[0], fout // col_tile
+    rw = -(-max_rank // rt) * rt
+    dtype = jnp.promote_types(x.dtype, rows.dtype)
+    if interpret:  # see _shrink, _expand
+        x = _pad_rows(x, t + bt)
+    y_in = _pad_rows(y, t + bt) if interpret else y
+    kernel = functools.partial(
+        _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits,
+        shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
+                       interpret=interpret),
+        expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype))
+    xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)
+    cnt = jax.ShapeDtypeStruct((nb,), jnp.int32)
+    out, _, _ = pl.pallas_call(
+        kernel, grid=(n_shrink + nb * n_col,),
+        out_shape=(jax.ShapeDtypeStruct(y_in.shape, y.dtype), xa, cnt),
+        input_output_aliases={8: 0, 9: 1, 10: 2},
+        interpret=interpret, compiler_params=_params(interpret, s["expand_warps"], s["num_stages"]),
+        name="lora_onetrip_one_launch",
+    )(*(a.astype(jnp.int32) for a in (*splan, *eplan)), x, rows, y_in, jnp.zeros(xa.shape, jnp.float32),
+      jnp.zeros(cnt.shape, jnp.int32))
     return out[:t] if interpret else out

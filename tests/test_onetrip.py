@@ -78,6 +78,18 @@ class TestOnetrip:
         assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
 
     @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", ["mixed", "whole_batch", "gqa_kv"])
+    def test_one_launch(self, name, dtype):
+        """onetrip_apply: shrink and expand in one launch, the expand's programs waiting on their
+        block's counter (in interpret mode the programs run in order, so the wait ends at once)."""
+        case = CASES[name]
+        arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("onetrip-1", name, dtype))
+        sp, ep = _plans(arr, ranks, seg, case)
+        y = jnp.asarray(np.random.default_rng(seed_of("onetrip-1-y", name)).normal(size=(TOKENS, case.fout)), dtype)
+        got = onetrip.onetrip_apply(y, arr["x"], arr["rows"], sp, ep, max_rank=MAX_RANK, interpret=self.INTERPRET)
+        assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
     def test_grouped_modules(self, dtype):
         """q, k and v shrink in one launch, each slot with its own rank in each module (0: the
         adapter does not target it); each expands from its own xa columns."""
@@ -135,9 +147,33 @@ def test_plan_lists_live_units_only():
     assert (rid[:total[0]] > 0).sum() == sum(min(r, 64) * b for r, b in zip(ranks, blocks))
 
 
+def test_one_launch_counts_match_the_plans():
+    """What the one-launch expand of block b waits for (units_of_block of its rank) is exactly the
+    number of shrink units whose meta names b: else it would read xa early, or never start."""
+    s = dict(lora.BLOCKS["onetrip"], block_t=16, rank_tile=16, k_tile=256)
+    ranks = np.array([8, 0, 64, 33, 16, 128, 1], np.int32)
+    lens = np.array([2, 5, 0, 40, 1, 17, 3])
+    seg = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rows = np.arange(7 * 128, dtype=np.int32).reshape(7, 128)
+    kw = dict(width=4096, max_rank=64, settings=s)
+    total, meta, _ = onetrip.shrink_plan(ranks[None], rows[None], seg, 80, fin=4096, **kw)
+    n_blocks, emeta, _ = onetrip.expand_plan(ranks, rows, seg, 80, fout=4096, **kw)
+    splits = 4096 // 256
+    blocks = meta[np.arange(total[0]) // splits, 4]                # each unit's block
+    counts = np.bincount(blocks, minlength=emeta.shape[0])
+    need = onetrip.units_of_block(emeta[:, 2], 16, splits)
+    np.testing.assert_array_equal(counts[:n_blocks[0]], need[:n_blocks[0]])
+    assert not counts[n_blocks[0]:].any() and (need[:n_blocks[0]] > 0).all()
+    # a block's units cover its tokens: the meta's token range is the block's
+    for b in range(n_blocks[0]):
+        assert (meta[np.arange(total[0]) // splits][blocks == b, :2] == emeta[b, :2]).all()
+
+
+@pytest.mark.parametrize("form,launches", [("pair", 2), ("one_launch", 1)])
 @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 1024, 1024)])
-def test_lowers_to_triton(fin, fout, width):
-    """Both kernels lower for an H200 on the CPU (llama-7b's q/k/v/o; GQA's k/v at W 1024)."""
+def test_lowers_to_triton(fin, fout, width, form, launches):
+    """The pair, and the one-launch form, lower for an H200 on the CPU (llama-7b's q/k/v/o; GQA's
+    k/v at W 1024)."""
     t, sa, r, n = 64, 32, 64, 4096
     sds = jax.ShapeDtypeStruct
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
@@ -150,6 +186,9 @@ def test_lowers_to_triton(fin, fout, width):
     ep = onetrip.expand_plan(ranks, rows_b, seg, t, fout=fout, width=width, max_rank=r)
 
     def pair(x, rows, sp, ep):
+        if form == "one_launch":
+            return onetrip.onetrip_apply(jnp.zeros((t, fout), jnp.bfloat16), x, rows, sp, ep, max_rank=r,
+                                         interpret=False)
         xa = onetrip.onetrip_shrink(x, rows, sp, n_modules=1, max_rank=r, interpret=False)
         return onetrip.onetrip_expand(jnp.zeros((t, fout), jnp.bfloat16), xa, rows, ep, interpret=False)
 
@@ -158,4 +197,4 @@ def test_lowers_to_triton(fin, fout, width):
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)
         hlo = jax.jit(pair).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 2
+    assert hlo.count("__gpu$xla.gpu.triton") == launches
