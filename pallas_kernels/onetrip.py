@@ -311,8 +311,9 @@ def _one_launch_kernel(ts_ref, ms_ref, rs_ref, te_ref, me_ref, re_ref, x_ref, ro
     # Programs [0, n_shrink) shrink: after each unit's atomic add into xa, one more on its block's
     # counter (acquire-release, so the sums are in L2 before the count says so). The rest expand a
     # (block, column tile) each: B and y are read first, so those bytes stream while the shrink
-    # runs; then the program polls its block's counter until all of the block's units (its rank
-    # tiles x splits) are in, and reads xa from L2. No expand program waits on a program launched
+    # runs; then the program polls its block's counter by atomic reads (acquire: its xa loads cannot
+    # pass them; the fence before the first also waits for the B and y loads, which the product
+    # needs anyway) until all of the block's units (its rank tiles x splits) are in, and reads xa. No expand program waits on a program launched
     # after it: the GPU starts a launch's programs in order of their index, and the shrink's come
     # first and wait on nothing.
     # Interpret mode runs the programs one after another in index order, so every shrink unit is in
@@ -334,8 +335,8 @@ def _one_launch_kernel(ts_ref, ms_ref, rs_ref, te_ref, me_ref, re_ref, x_ref, ro
         e = p - n_shrink
 
         def wait(b, r):
-            def poll(carry):
-                return plgpu.load(cnt_ref.at[b], volatile=True), carry[1]
+            def poll(carry):  # an atomic read (add 0): acquire, so the xa loads below stay after it
+                return plgpu.atomic_add(cnt_ref, (b,), jnp.int32(0)), carry[1]
             need = units_of_block(r, rank_tile, splits)  # carried: the cond closes over nothing
             jax.lax.while_loop(lambda carry: carry[0] < carry[1], poll, poll((0, need)))
         _expand_unit(jax.lax.div(e, n_col), jax.lax.rem(e, n_col), te_ref[0], me_ref, re_ref, xa_ref, rows_ref,
