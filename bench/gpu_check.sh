@@ -151,7 +151,7 @@ if has onetrip; then
     --adapters "${OT_ADAPTERS:-8,32,256}" --lora-variants "${OT_VARIANTS:-pallas,onetrip,onetrip1}" --y-dtype bfloat16 \
     --device-time --read-floor --out "$OUT/onetrip-kernels.json" > "$OUT/onetrip-kernels.log" 2>&1
   echo "onetrip kernels rc=$?"; grep -E "^lora|device time|kernels \(us|read floor|PASS|FAIL|ERROR" "$OUT/onetrip-kernels.log" | tail -30
-  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"shrink_warps":2}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}}'}
+  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"shrink_warps":2}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}} {"onetrip":{"tile_branches":false}}'}
   OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=onetrip,onetrip1 \
     T_SWEEP=${T_OT_SWEEP:-60} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   OUT=$OUT/onetrip-profile PROFILE_BATCH=172 PROFILE_CONTEXT=430 PROFILE_ADAPTERS=156 PROFILE_RANKS=64,32,16,8 \

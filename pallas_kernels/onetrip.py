@@ -54,6 +54,11 @@ def _settings() -> dict:
     return BLOCKS["onetrip"]
 
 
+def _frozen() -> tuple:
+    """The settings as a jit static argument: a change of BLOCKS["onetrip"] retraces the kernels."""
+    return tuple(sorted(_settings().items()))
+
+
 def _tile(width: int, cap: int) -> int:
     """The largest power of two dividing W, at most cap: a tile never straddles two pool rows."""
     return min(width & -width, cap)
@@ -150,25 +155,37 @@ def _params(interpret: bool, warps: int, stages: int):
 
 def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_ref, *, splits, block_t, rank_tile,
                   k_tile, width, dtype, atomic, interpret, done=None):
-    """Program p's shrink units p, p + n_programs, ... below total. done(block): called after each
-    unit's sums are in xa, with the unit's token block (meta column 4)."""
+    """Program p's shrink units p, p + n_programs, ... below total, in a three-stage pipeline: a
+    unit's entry is read two units ahead and its rows gathered one ahead of its product, so a
+    program with several units (large decode steps) waits on about one trip a unit. An entry past
+    the total is read as dead (no live rows or tokens): its gather is fully masked, no traffic.
+    done(block): called after each unit's sums are in xa, with the unit's token block."""
+    total_bound = meta_ref.shape[0] * splits
 
-    def read(w):  # unit w's entry: item w // splits, split w % splits; all loads from program ids
+    def read(w):  # unit w's entry: item w // splits, split w % splits
+        valid = w < total
+        w = jnp.minimum(w, total_bound - 1)
         i, q = jax.lax.div(w, splits), jax.lax.rem(w, splits)
         c0 = q * k_tile
-        return (meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2], meta_ref[i, 3], meta_ref[i, 4], c0,
-                rid_ref[i, jax.lax.div(c0, width)])
+        tok0 = meta_ref[i, 0]
+        return (tok0, jnp.where(valid, meta_ref[i, 1], tok0), jnp.where(valid, meta_ref[i, 2], 0), meta_ref[i, 3],
+                meta_ref[i, 4], c0, rid_ref[i, jax.lax.div(c0, width)])
 
-    def unit(ent):
-        tok0, tok1, live, col, blk, c0, rid = ent
+    def gather(ent):
+        tok0, tok1, live, _, _, c0, rid = ent
         tok_live = tok0 + jnp.arange(block_t) < tok1
         row_live = jnp.arange(rank_tile) < live
         cols = pl.multiple_of(jax.lax.rem(c0, width), k_tile) + jnp.arange(k_tile)
         at = plgpu.load(rows_ref.at[rid[:, None], cols[None, :]], mask=row_live[:, None], other=0)
         xt = plgpu.load(x_ref.at[pl.ds(tok0, block_t), pl.ds(c0, k_tile)], mask=tok_live[:, None], other=0)
+        return at, xt
+
+    def finish(ent, tiles):
+        tok0, tok1, live, col, blk, _, _ = ent
+        at, xt = tiles
         acc = jax.lax.dot_general(xt.astype(dtype), at.astype(dtype), (((1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.float32)
-        mask = tok_live[:, None] & row_live[None, :]
+        mask = (tok0 + jnp.arange(block_t) < tok1)[:, None] & (jnp.arange(rank_tile) < live)[None, :]
         tile = (pl.ds(tok0, block_t), pl.ds(col, rank_tile))
         if atomic:
             # interpret mode's atomic add takes no mask: dead entries add zero, xa has block_t spare rows
@@ -178,14 +195,16 @@ def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_r
         if done is not None:
             done(blk)
 
-    total_bound = meta_ref.shape[0] * splits
     trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
 
-    def step(k, ent):  # the next unit's entry is read before this unit's rows (one trip ahead)
-        nxt = read(jnp.minimum(p + (k + 1) * n_programs, total_bound - 1))
-        unit(ent)
-        return nxt
-    jax.lax.fori_loop(0, trips, step, read(jnp.minimum(p, total_bound - 1)))
+    def step(k, carry):
+        ent, tiles, nxt = carry
+        tiles_next = gather(nxt)                               # unit k + 1's rows
+        ahead = read(p + (k + 2) * n_programs)                 # unit k + 2's entry
+        finish(ent, tiles)                                     # unit k's product
+        return nxt, tiles_next, ahead
+    first = read(p)
+    jax.lax.fori_loop(0, trips, step, (first, gather(first), read(p + n_programs)))
 
 
 def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref, *, n_programs, **kw):
@@ -193,7 +212,7 @@ def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref
 
 
 def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, *, block_t, rank_tile,
-                 col_tile, width, xa_col, dtype, wait=None):
+                 col_tile, width, xa_col, dtype, branches=True, wait=None):
     """Block b's column tile c: y + xa @ B. Every B tile and the y tile are loaded first (one trip),
     then, after wait(b, rank) if given (the one-launch form: until b's shrink units are in), xa."""
     tok0, tok1, r = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
@@ -224,7 +243,10 @@ def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
             def add(a, bt=bt, xat=xat):
                 return a + jax.lax.dot_general(xat.astype(dtype), bt.astype(dtype), (((1,), (0,)), ((), ())),
                                                preferred_element_type=jnp.float32)
-            acc = add(acc) if kt == 0 else jax.lax.cond(kt * rank_tile < r, add, lambda a: a, acc)
+            if kt == 0 or not branches:  # without branches: dead tiles are masked zeros (no traffic)
+                acc = add(acc)
+            else:
+                acc = jax.lax.cond(kt * rank_tile < r, add, lambda a: a, acc)
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
 
@@ -242,18 +264,19 @@ def onetrip_shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: b
     """xa [T + block_t, G * Rw] float32 of G modules reading x [T, in] (module g's columns from
     g * Rw, Rw = max_rank in whole rank tiles; rows past T are padding), from shrink_plan's tables.
     rows [N, W]: one layer's pool as rows. interpret None: on the CPU."""
-    return _shrink(x, rows, tuple(plan), n_modules=n_modules, max_rank=max_rank, interpret=_interpret(interpret))
+    return _shrink(x, rows, tuple(plan), n_modules=n_modules, max_rank=max_rank, interpret=_interpret(interpret),
+                   settings=_frozen())
 
 
 def onetrip_expand(y, xa, rows, plan, *, xa_col: int = 0, interpret: bool | None = None):
     """y + xa[:, xa_col:xa_col + r_s] @ B_s for the tokens of each slot s (others unchanged), in y's
     dtype, from expand_plan's tables. xa [>= T + block_t, ...] float32 from onetrip_shrink."""
-    return _expand(y, xa, rows, tuple(plan), xa_col=xa_col, interpret=_interpret(interpret))
+    return _expand(y, xa, rows, tuple(plan), xa_col=xa_col, interpret=_interpret(interpret), settings=_frozen())
 
 
-@functools.partial(jax.jit, static_argnames=("n_modules", "max_rank", "interpret"))
-def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool):
-    s = _settings()
+@functools.partial(jax.jit, static_argnames=("n_modules", "max_rank", "interpret", "settings"))
+def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool, settings: tuple):
+    s = dict(settings)
     total, meta, rid = plan
     t, fin = x.shape
     width = rows.shape[1]
@@ -278,9 +301,9 @@ def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool):
       jnp.zeros(out.shape, jnp.float32) if splits > 1 else jnp.zeros((1, 1), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("xa_col", "interpret"))
-def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool):
-    s = _settings()
+@functools.partial(jax.jit, static_argnames=("xa_col", "interpret", "settings"))
+def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool, settings: tuple):
+    s = dict(settings)
     total, meta, rid = plan
     t, fout = y.shape
     width = rows.shape[1]
@@ -290,7 +313,7 @@ def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool):
     assert rid.shape[-1] % rt == 0 and xa.shape[-1] >= xa_col + rid.shape[-1], (rid.shape, xa.shape, xa_col)
     y_in = _pad_rows(y, t + bt) if interpret else y
     kernel = functools.partial(_expand_kernel, block_t=bt, rank_tile=rt, col_tile=col_tile, width=width,
-                               xa_col=xa_col, dtype=rows.dtype)
+                               xa_col=xa_col, dtype=rows.dtype, branches=s["tile_branches"])
     out = pl.pallas_call(
         kernel, grid=(meta.shape[0], fout // col_tile),
         out_shape=jax.ShapeDtypeStruct(y_in.shape, y.dtype),
@@ -353,12 +376,12 @@ def onetrip_apply(y, x, rows, shrink_plan_, expand_plan_, *, max_rank: int, inte
     """y + (x @ A_s) @ B_s for the tokens of slot s (others unchanged), one module, in ONE launch
     (see _one_launch_kernel): shrink_plan's tables for the module alone (G = 1), expand_plan's."""
     return _one_launch(y, x, rows, tuple(shrink_plan_), tuple(expand_plan_), max_rank=max_rank,
-                       interpret=_interpret(interpret))
+                       interpret=_interpret(interpret), settings=_frozen())
 
 
-@functools.partial(jax.jit, static_argnames=("max_rank", "interpret"))
-def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool):
-    s = _settings()
+@functools.partial(jax.jit, static_argnames=("max_rank", "interpret", "settings"))
+def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool, settings: tuple):
+    s = dict(settings)
     t, fin = x.shape
     fout, width = y.shape[1], rows.shape[1]
     bt, rt, kt = s["block_t"], s["rank_tile"], _tile(width, s["k_tile"])
@@ -376,7 +399,8 @@ def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool):
         _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits,
         shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
                        interpret=interpret),
-        expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype))
+        expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype,
+                       branches=s["tile_branches"]))
     xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)
     cnt = jax.ShapeDtypeStruct((nb,), jnp.int32)
     out, _, _ = pl.pallas_call(

@@ -56,9 +56,13 @@ def _plans(arr, ranks, seg, case, t=TOKENS, max_rank=MAX_RANK):
 class TestOnetrip:
     INTERPRET = True
 
+    @pytest.mark.parametrize("branches", [True, False], ids=["branches", "masked_tiles"])
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", list(CASES))
-    def test_apply(self, name, dtype):
+    def test_apply(self, name, dtype, branches):
+        """The pair; the expand's rank tiles past the first under branches on the rank, and
+        without (BLOCKS["onetrip"]["tile_branches"]: every tile's dot on masked zeros)."""
+        lora.BLOCKS["onetrip"]["tile_branches"] = branches
         case = CASES[name]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("onetrip", name, dtype))
         sp, ep = _plans(arr, ranks, seg, case)
