@@ -330,21 +330,27 @@ def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool, settings: tuple)
 
 
 def _one_launch_kernel(ts_ref, ms_ref, rs_ref, te_ref, me_ref, re_ref, x_ref, rows_ref, y_ref, _xa_in, _cnt_in,
-                       out_ref, xa_ref, cnt_ref, *, n_shrink, n_col, splits, shrink_kw, expand_kw):
+                       out_ref, xa_ref, cnt_ref, *, n_shrink, n_col, splits, ticket, shrink_kw, expand_kw):
     # Programs [0, n_shrink) shrink: after each unit's atomic add into xa, one more on its block's
     # counter (acquire-release, so the sums are in L2 before the count says so). The rest expand a
     # (block, column tile) each: B and y are read first, so those bytes stream while the shrink
     # runs; then the program polls its block's counter by atomic reads (acquire: its xa loads cannot
     # pass them; the fence before the first also waits for the B and y loads, which the product
-    # needs anyway) until all of the block's units (its rank tiles x splits) are in, and reads xa. No expand program waits on a program launched
-    # after it: the GPU starts a launch's programs in order of their index, and the shrink's come
-    # first and wait on nothing.
+    # needs anyway) until all of the block's units (its rank tiles x splits) are in, and reads xa.
+    # No expand program may wait on a shrink program that has not started (the launch would hang
+    # once waiting programs filled the GPU). GPUs start a launch's programs in order of their
+    # index, and the shrink's come first and wait on nothing; CUDA does not promise that order, so
+    # with `ticket` each program takes its place from a counter instead (cnt[-1], one atomic add:
+    # one more trip a program), which orders the places as the programs really started.
     # Interpret mode runs the programs one after another in index order, so every shrink unit is in
     # before the first expand program starts: no counters there (its discharge of a polling loop
-    # inside a program fails); plan_counts_match (tests) checks what the counts must reach.
-    p = pl.program_id(0)
+    # inside a program fails); test_one_launch_counts_match_the_plans checks what the counts reach.
     rank_tile = expand_kw["rank_tile"]
     counted = not shrink_kw["interpret"]
+    if ticket and counted:
+        p = plgpu.atomic_add(cnt_ref, (cnt_ref.shape[0] - 1,), jnp.int32(1))
+    else:
+        p = pl.program_id(0)
 
     @pl.when(p < n_shrink)
     def _():
@@ -396,13 +402,13 @@ def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool, set
         x = _pad_rows(x, t + bt)
     y_in = _pad_rows(y, t + bt) if interpret else y
     kernel = functools.partial(
-        _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits,
+        _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits, ticket=s["ticket"],
         shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
                        interpret=interpret),
         expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype,
                        branches=s["tile_branches"]))
     xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)
-    cnt = jax.ShapeDtypeStruct((nb,), jnp.int32)
+    cnt = jax.ShapeDtypeStruct((nb + 1,), jnp.int32)  # a counter a block, and the ticket
     out, _, _ = pl.pallas_call(
         kernel, grid=(n_shrink + nb * n_col,),
         out_shape=(jax.ShapeDtypeStruct(y_in.shape, y.dtype), xa, cnt),

@@ -38,11 +38,16 @@ SMALL = dict(k_tile=16, col_tile=16, max_programs=5)  # W = 32: 2 splits a pool 
 
 
 @pytest.fixture
-def small_tiles():
+def saved_blocks():
+    """BLOCKS["onetrip"] as it was, after the test."""
     saved = dict(lora.BLOCKS["onetrip"])
-    lora.BLOCKS["onetrip"].update(SMALL)
-    yield
+    yield lora.BLOCKS["onetrip"]
     lora.BLOCKS["onetrip"] = saved
+
+
+@pytest.fixture
+def small_tiles(saved_blocks):
+    saved_blocks.update(SMALL)
 
 
 def _plans(arr, ranks, seg, case, t=TOKENS, max_rank=MAX_RANK):
@@ -81,11 +86,16 @@ class TestOnetrip:
         got = onetrip.onetrip_expand(y, xa, arr["rows"], ep, interpret=self.INTERPRET)
         assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
 
+    @pytest.mark.parametrize("ticket", [False, True], ids=["index", "ticket"])
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", ["mixed", "whole_batch", "gqa_kv"])
-    def test_one_launch(self, name, dtype):
+    def test_one_launch(self, name, dtype, ticket):
         """onetrip_apply: shrink and expand in one launch, the expand's programs waiting on their
-        block's counter (in interpret mode the programs run in order, so the wait ends at once)."""
+        block's counter, each program's place its index or a ticket (in interpret mode the
+        programs run in index order, no counters: the ticket is the GPU's)."""
+        if ticket and self.INTERPRET:
+            pytest.skip("interpret mode runs programs in index order: no ticket")
+        lora.BLOCKS["onetrip"]["ticket"] = ticket
         case = CASES[name]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("onetrip-1", name, dtype))
         sp, ep = _plans(arr, ranks, seg, case)
@@ -173,9 +183,9 @@ def test_one_launch_counts_match_the_plans():
         assert (meta[np.arange(total[0]) // splits][blocks == b, :2] == emeta[b, :2]).all()
 
 
-@pytest.mark.parametrize("form,launches", [("pair", 2), ("one_launch", 1)])
+@pytest.mark.parametrize("form,launches", [("pair", 2), ("one_launch", 1), ("one_launch_ticket", 1)])
 @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 1024, 1024)])
-def test_lowers_to_triton(fin, fout, width, form, launches):
+def test_lowers_to_triton(fin, fout, width, form, launches, saved_blocks):
     """The pair, and the one-launch form, lower for an H200 on the CPU (llama-7b's q/k/v/o; GQA's
     k/v at W 1024)."""
     t, sa, r, n = 64, 32, 64, 4096
@@ -190,7 +200,8 @@ def test_lowers_to_triton(fin, fout, width, form, launches):
     ep = onetrip.expand_plan(ranks, rows_b, seg, t, fout=fout, width=width, max_rank=r)
 
     def pair(x, rows, sp, ep):
-        if form == "one_launch":
+        if form.startswith("one_launch"):
+            lora.BLOCKS["onetrip"]["ticket"] = form.endswith("ticket")
             return onetrip.onetrip_apply(jnp.zeros((t, fout), jnp.bfloat16), x, rows, sp, ep, max_rank=r,
                                          interpret=False)
         xa = onetrip.onetrip_shrink(x, rows, sp, n_modules=1, max_rank=r, interpret=False)
