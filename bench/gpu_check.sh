@@ -4,12 +4,13 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|onetrip|onetrip_sweep|dispatch|ncu|ncustep|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|onetrip|onetrip_profile|onetrip_sweep|dispatch|ncu|ncustep|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
 # bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
 # settings through bench/kernels.py --lora-blocks; mgpu: the Mosaic GPU decode pair's tests, issue 4's
 # point and the S2 decode profile with it; onetrip: the one-trip decode pair's tests, issue 4's point
-# and the S2 decode profile with it off and on; onetrip_sweep: its settings at that point; dispatch: bench/graph_dispatch.py under CUDA-graph
+# and its neighbours; onetrip_profile: the S2 decode step with it off and on; onetrip_sweep: its
+# settings at that point; dispatch: bench/graph_dispatch.py under CUDA-graph
 # concurrency; ncu: the LoRA pair's hardware counters (bench/ncu_lora.py under Nsight Compute);
 # ncustep: the same for the LoRA kernels of a llama-7b decode step (profile_step.py); none of these
 # is in "all")
@@ -141,8 +142,8 @@ fi
 if has onetrip; then
   # The one-trip decode pair (pallas_kernels/onetrip.py, BLOCKS["onetrip"], session 25) in one call:
   # its compiled tests and the oracle parity through LLM with it on; issue 4's point (qkvo, 64 x
-  # 32) and its neighbours with lora.py's pair beside it and the read floor; the S2 decode step's
-  # profile with it off, then on (its settings sweep is the part onetrip_sweep). Logs and JSON are
+  # 32) and its neighbours with lora.py's pair beside it and the read floor (the S2 decode step's
+  # profile is the part onetrip_profile, its settings sweep onetrip_sweep). Logs and JSON are
   # packed into $OUT/onetrip.tgz at the end (a call returns at most 8 files); the console has the
   # figures. The one-launch form first, alone and briefly: if its programs did not start in index
   # order it would hang (then it is left out of what follows; onetrip_sweep tries its ticket form).
@@ -154,21 +155,29 @@ if has onetrip; then
     tests/test_onetrip.py tests/test_parity.py -k "(onetrip or Onetrip) and not one_launch" > "$OUT/onetrip-pytest.log" 2>&1
   echo "onetrip pytest rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/onetrip-pytest.log" | tail -8
   timeout "${T_OT_KERNELS:-200}" python3 bench/kernels.py --skip attention --modules qkvo --tokens "${OT_TOKENS:-64,256}" \
-    --adapters "${OT_ADAPTERS:-8,32,256}" --lora-variants "$ot_variants" --y-dtype bfloat16 \
+    --adapters "${OT_ADAPTERS:-32,256}" --lora-variants "$ot_variants" --y-dtype bfloat16 \
     --device-time --read-floor --out "$OUT/onetrip-kernels.json" > "$OUT/onetrip-kernels.log" 2>&1
   echo "onetrip kernels rc=$?"; grep -E "^lora|device time|kernels \(us|read floor|PASS|FAIL|ERROR" "$OUT/onetrip-kernels.log" | tail -30
+  (cd "$OUT" && tar czf onetrip.tgz onetrip-* && rm -rf onetrip-*.log onetrip-*.json)
+fi
+if has onetrip_profile; then
+  # The S2 decode step (B 172 x 156 adapters, ranks 64/32/16/8) profiled with lora.py's pair, the
+  # one-trip pair, and (OT_ONE_LAUNCH=0 to leave it out, where it hung) the one-launch form a
+  # module; profile_step.json, -1, -2 in that order, packed into $OUT/onetrip-profile.tgz.
+  pb="{} {\"onetrip\":{\"decode\":true}}"
+  [[ ${OT_ONE_LAUNCH:-1} == 1 ]] && pb="$pb {\"onetrip\":{\"decode\":true,\"one_launch\":true}}"
   OUT=$OUT/onetrip-profile PROFILE_BATCH=172 PROFILE_CONTEXT=430 PROFILE_ADAPTERS=156 PROFILE_RANKS=64,32,16,8 \
-    PROFILE_BACKENDS=hybrid/pallas/grouped T_PROFILE=${T_OT_PROFILE:-120} \
-    PROFILE_BLOCKS="{} {\"onetrip\":{\"decode\":true}}" XLA_CACHE_SAVE=0 bash "$0" profile
-  (cd "$OUT" && tar czf onetrip.tgz onetrip-* && rm -rf onetrip-*.log onetrip-*.json onetrip-profile)
+    PROFILE_BACKENDS=hybrid/pallas/grouped T_PROFILE=${T_OT_PROFILE:-150} PROFILE_BLOCKS="$pb" XLA_CACHE_SAVE=0 \
+    bash "$0" profile
+  (cd "$OUT" && tar czf onetrip-profile.tgz onetrip-profile && rm -rf onetrip-profile)
 fi
 if has onetrip_sweep; then
   # The one-trip pair's settings at issue 4's point, one kernels.py run each (OT_BLOCKS; the
   # variants OT_SWEEP_VARIANTS: both forms, or onetrip alone where the one-launch form hung in the
   # onetrip part), then the one-launch form with tickets. Packed into $OUT/onetrip-sweep.tgz.
-  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"shrink_warps":2}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}} {"onetrip":{"tile_branches":false}}'}
+  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}} {"onetrip":{"tile_branches":false}}'}
   OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=${OT_SWEEP_VARIANTS:-onetrip,onetrip1} \
-    T_SWEEP=${T_OT_SWEEP:-60} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
+    T_SWEEP=${T_OT_SWEEP:-55} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   timeout "${T_OT_SWEEP:-60}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64 --adapters 32 \
     --lora-variants onetrip1 --lora-blocks '{"onetrip":{"ticket":true}}' --y-dtype bfloat16 --device-time \
     --out "$OUT/onetrip-sweep/ticket.json" > "$OUT/onetrip-sweep/ticket.log" 2>&1

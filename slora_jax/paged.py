@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import onetrip
-from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
+from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, BLOCKS, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model, tp as tp_mod
 from slora_jax.config import QKV_MODULES, ModelConfig
@@ -303,6 +303,13 @@ def onetrip_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg: 
         fin = cfg.module_shape(mods[0])[0]
         if not (onetrip.applies(width, fin) and all(onetrip.applies(width, cfg.module_shape(m)[1]) for m in mods)):
             continue
+        kw = dict(width=width, max_rank=max_rank)
+        if BLOCKS["onetrip"]["one_launch"]:  # each module's shrink and expand in one launch
+            for m in mods:
+                out["onetrip-apply:" + m] = (
+                    onetrip.shrink_plan(ranks[m][None], rows[m][0][None], seg_starts, t, fin=fin, **kw),
+                    onetrip.expand_plan(ranks[m], rows[m][1], seg_starts, t, fout=cfg.module_shape(m)[1], **kw))
+            continue
         name = "qkv" if len(mods) > 1 else mods[0]
         out["onetrip-shrink:" + name] = onetrip.shrink_plan(
             np.stack([ranks[m] for m in mods]), np.stack([rows[m][0] for m in mods]), seg_starts, t, fin=fin,
@@ -368,6 +375,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
         pl = pool[layer]
         rows = pl.reshape(-1, pl.shape[-1])
         schedule = lora.schedules.get(module) if lora.schedules else None
+        if lora.schedules and "onetrip-apply:" + module in lora.schedules:  # one launch (onetrip_plans)
+            return onetrip.onetrip_apply(y, x, rows, *lora.schedules["onetrip-apply:" + module], max_rank=lora.max_rank)
         if lora.backend == "triton":
             from triton_kernels.lora import lora_apply as triton_apply  # needs jax-triton
             return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,

@@ -264,7 +264,7 @@ def test_legacy_config_layout(oracle):
 # --- the paged engine under pressure ------------------------------------------------------------
 
 @pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "onetrip_lora",
-                                    "per_layer"])
+                                    "onetrip_one_launch", "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
@@ -280,18 +280,20 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora"):  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora", "onetrip_one_launch"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
-        if config == "onetrip_lora":
+        if config.startswith("onetrip"):
             from pallas_kernels import lora, onetrip
             from slora_jax import paged
-            monkeypatch.setitem(lora.BLOCKS, "onetrip", {**lora.BLOCKS["onetrip"], "decode": True})
-            launches, real = [], onetrip.onetrip_shrink
+            one = config == "onetrip_one_launch"
+            monkeypatch.setitem(lora.BLOCKS, "onetrip", {**lora.BLOCKS["onetrip"], "decode": True, "one_launch": one})
+            launches, name = [], "onetrip_apply" if one else "onetrip_shrink"
+            real = getattr(onetrip, name)
 
-            def spy(x, rows, plan, *, n_modules, **kw):
-                launches.append(n_modules)
-                return real(x, rows, plan, n_modules=n_modules, **kw)
-            monkeypatch.setattr(paged.onetrip, "onetrip_shrink", spy)
+            def spy(*args, **kw):
+                launches.append(kw.get("n_modules", 1))  # modules in the launch
+                return real(*args, **kw)
+            monkeypatch.setattr(paged.onetrip, name, spy)
             jax.clear_caches()  # BLOCKS is read at trace time
         if config == "fused_lora":
             from pallas_kernels import lora
@@ -322,8 +324,8 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert stats["evictions"] > 0, stats
     if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
         assert max(launches) == (3 if model == "mha" else 1), launches
-    if config == "onetrip_lora":  # decode steps took it, q, k and v in one shrink launch
-        assert launches and max(launches) == 3, launches
+    if config.startswith("onetrip"):  # decode steps took it: q, k and v in one shrink launch, or a launch each
+        assert launches and max(launches) == (1 if config == "onetrip_one_launch" else 3), launches
         jax.clear_caches()
     assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
     llm.engine.pool.check()
