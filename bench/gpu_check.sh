@@ -175,7 +175,10 @@ if has onetrip_sweep; then
   # The one-trip pair's settings at issue 4's point, one kernels.py run each (OT_BLOCKS; the
   # variants OT_SWEEP_VARIANTS: both forms, or onetrip alone where the one-launch form hung in the
   # onetrip part), then the one-launch form with tickets. Packed into $OUT/onetrip-sweep.tgz.
-  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":512}} {"onetrip":{"col_tile":256}} {"onetrip":{"max_programs":2048}} {"onetrip":{"expand_warps":8}} {"onetrip":{"num_stages":2}} {"onetrip":{"tile_branches":false}}'}
+  # (registers on sm_90 from bench/kernel_sass.py --kernels onetrip at 64 x 32, shrink / expand:
+  # defaults 92 / 63; pipeline 111; k_tile 128 with 2 warps 78 (12 programs an SM); k_tile 64 64;
+  # col_tile 64 with 2 warps: expand 61, 16 programs an SM)
+  ob=${OT_BLOCKS:-'{"onetrip":{"pipeline":true}} {"onetrip":{"k_tile":128}} {"onetrip":{"k_tile":128,"shrink_warps":2}} {"onetrip":{"k_tile":64}} {"onetrip":{"tile_branches":false}} {"onetrip":{"col_tile":64,"expand_warps":2}} {"onetrip":{"max_programs":2048}}'}
   OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=${OT_SWEEP_VARIANTS:-onetrip,onetrip1} \
     T_SWEEP=${T_OT_SWEEP:-55} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   timeout "${T_OT_SWEEP:-60}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64 --adapters 32 \

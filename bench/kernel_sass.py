@@ -104,6 +104,65 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
     return out
 
 
+def lower_onetrip(tokens: int, adapters: int, max_rank: int, width: int, features: int, out_dir: Path) -> dict:
+    """The one-trip pair (pallas_kernels/onetrip.py) and its one-launch form, lowered the same way,
+    for a decode step of tokens spread over adapters with ranks cycling max_rank / 8, / 4, / 2, / 1
+    (issue 4's mix at max rank 64); returns {name: (path, num_warps, num_stages)}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from pallas_kernels import lora, onetrip
+
+    class _H200:
+        compute_capability = 90
+
+    gpu_info = registration.gpu_info_lib.get_gpu_info
+    registration.gpu_info_lib.get_gpu_info = lambda: _H200()
+    modules = []
+    real = triton_lowering.lower_jaxpr_to_triton_module
+
+    def keep(*args, **kw):
+        result = real(*args, **kw)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+    registration.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        ranks = np.array([max(1, max_rank // d) for d in (8, 4, 2, 1)] * -(-adapters // 4), np.int32)[:adapters]
+        seg = np.linspace(0, tokens, adapters + 1).astype(np.int32)
+        kw = dict(width=width, max_rank=max_rank)
+        a_rows = np.zeros((1, adapters, max_rank * features // width), np.int32)
+        b_rows = np.zeros((adapters, max_rank * features // width), np.int32)
+        sp = tuple(map(jnp.asarray, onetrip.shrink_plan(ranks[None], a_rows, seg, tokens, fin=features, **kw)))
+        ep = tuple(map(jnp.asarray, onetrip.expand_plan(ranks, b_rows, seg, tokens, fout=features, **kw)))
+        x = jnp.zeros((tokens, features), jnp.bfloat16)
+        rows = jnp.zeros((4096, width), jnp.bfloat16)
+        with jax.default_device(jax.devices("cpu")[0]):
+            xa = jax.eval_shape(lambda: onetrip.onetrip_shrink(x, rows, sp, n_modules=1, max_rank=max_rank,
+                                                               interpret=True))
+            for fn, args in ((lambda x, rows, sp: onetrip.onetrip_shrink(x, rows, sp, n_modules=1, max_rank=max_rank,
+                                                                          interpret=False), (x, rows, sp)),
+                             (lambda y, xa, rows, ep: onetrip.onetrip_expand(y, xa, rows, ep, interpret=False),
+                              (x, jnp.zeros(xa.shape, xa.dtype), rows, ep)),
+                             (lambda y, x, rows, sp, ep: onetrip.onetrip_apply(y, x, rows, sp, ep, max_rank=max_rank,
+                                                                               interpret=False), (x, x, rows, sp, ep))):
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = real
+        registration.gpu_info_lib.get_gpu_info = gpu_info
+    s = lora.BLOCKS["onetrip"]
+    warps = {"onetrip_shrink": s["shrink_warps"], "onetrip_expand": s["expand_warps"],
+             "onetrip_one_launch": s["expand_warps"]}
+    out = {}
+    for name, text in zip(warps, [m for m in modules if "tt.func" in m]):
+        path = out_dir / f"{name}.ttir"
+        path.write_text(text)
+        out[name] = (str(path), warps[name], s["num_stages"])
+    return out
+
+
 def triton_python() -> str | None:
     for py in (os.environ.get("SLORA_TRITON_PYTHON"), os.environ.get("SLORA_ORACLE_PYTHON"),
                str(REPO / ".venv-oracle" / "bin" / "python")):
@@ -135,6 +194,8 @@ def main(argv=None) -> dict:
                     help="the expand's y (the engine adds into bf16 projection outputs; bench/kernels.py's "
                          "delta form is float32)")
     ap.add_argument("--keep", default="", help="a folder for the .ttir / .ptx / .sass files")
+    ap.add_argument("--kernels", default="lora", choices=("lora", "onetrip"),
+                    help="lora.py's pair, or onetrip.py's pair and one-launch form (the features go to in and out)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -147,7 +208,10 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.keep or tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = lower(args.tokens, args.adapters, args.max_rank, args.width, args.features, out_dir, args.y_dtype)
+        if args.kernels == "onetrip":
+            jobs = lower_onetrip(args.tokens, args.adapters, args.max_rank, args.width, args.features, out_dir)
+        else:
+            jobs = lower(args.tokens, args.adapters, args.max_rank, args.width, args.features, out_dir, args.y_dtype)
         result = compile_all(jobs, py)
     for name, r in result.items():
         r["programs_per_sm"] = programs_per_sm(r["registers"], r["shared"], r["num_warps"])

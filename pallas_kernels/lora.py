@@ -168,12 +168,16 @@ BLOCKS = {
     # masked zeros (no memory traffic; in case the compiler sinks the branch's loads into it,
     # which would chain the tiles' trips again). ticket (onetrip_apply, the one-launch form): each
     # program takes its place from an atomic counter instead of its index (see _one_launch_kernel).
-    # one_launch: the engine runs each such module's decode LoRA as onetrip_apply (one launch a
+    # pipeline: a shrink program's units in three stages (entries two ahead, rows one ahead), for
+    # programs with several units; off: entries one ahead. Off by default: at issue 4's point each
+    # program has one unit, and the pipeline's registers (bench/kernel_sass.py --kernels onetrip,
+    # sm_90: 111 against 92) leave an SM 4 programs instead of 5. one_launch: the
+    # engine runs each such module's decode LoRA as onetrip_apply (one launch a
     # module: q, k, v and o in 4 launches a layer) instead of the pair (the grouped q/k/v shrink and
     # 4 expands: 5).
     "onetrip": dict(decode=False, block_t=16, rank_tile=16, k_tile=256, max_programs=1024, col_tile=128,
                     shrink_warps=4, expand_warps=4, num_stages=1, tile_branches=True, ticket=False,
-                    one_launch=False),
+                    one_launch=False, pipeline=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,
 # median us at 64 x 32 / 256 x 32 / 256 x 256, defaults 35.9 / 44.8 / 122.1): a shrink program

@@ -154,10 +154,10 @@ def _params(interpret: bool, warps: int, stages: int):
 
 
 def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_ref, *, splits, block_t, rank_tile,
-                  k_tile, width, dtype, atomic, interpret, done=None):
-    """Program p's shrink units p, p + n_programs, ... below total, in a three-stage pipeline: a
-    unit's entry is read two units ahead and its rows gathered one ahead of its product, so a
-    program with several units (large decode steps) waits on about one trip a unit. An entry past
+                  k_tile, width, dtype, atomic, interpret, pipeline=True, done=None):
+    """Program p's shrink units p, p + n_programs, ... below total; with `pipeline` in three
+    stages: a unit's entry is read two units ahead and its rows gathered one ahead of its product,
+    so a program with several units (large decode steps) waits on about one trip a unit. An entry past
     the total is read as dead (no live rows or tokens): its gather is fully masked, no traffic.
     done(block): called after each unit's sums are in xa, with the unit's token block."""
     total_bound = meta_ref.shape[0] * splits
@@ -196,6 +196,14 @@ def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_r
             done(blk)
 
     trips = jax.lax.div(jnp.maximum(total - p + n_programs - 1, 0), n_programs)
+
+    if not pipeline:  # entries one unit ahead only: half the tiles' registers
+        def step1(k, ent):
+            nxt = read(p + (k + 1) * n_programs)
+            finish(ent, gather(ent))
+            return nxt
+        jax.lax.fori_loop(0, trips, step1, read(p))
+        return
 
     def step(k, carry):
         ent, tiles, nxt = carry
@@ -291,7 +299,7 @@ def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool, se
         x = _pad_rows(x, t + bt)
     kernel = functools.partial(_shrink_kernel, n_programs=n_programs, splits=splits, block_t=bt, rank_tile=rt,
                                k_tile=kt, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
-                               atomic=splits > 1, interpret=interpret)
+                               atomic=splits > 1, interpret=interpret, pipeline=s["pipeline"])
     return pl.pallas_call(
         kernel, grid=(n_programs,), out_shape=out,
         input_output_aliases={5: 0} if splits > 1 else {},
@@ -404,7 +412,7 @@ def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool, set
     kernel = functools.partial(
         _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits, ticket=s["ticket"],
         shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
-                       interpret=interpret),
+                       interpret=interpret, pipeline=s["pipeline"]),
         expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype,
                        branches=s["tile_branches"]))
     xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)

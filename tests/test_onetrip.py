@@ -103,10 +103,13 @@ class TestOnetrip:
         got = onetrip.onetrip_apply(y, arr["x"], arr["rows"], sp, ep, max_rank=MAX_RANK, interpret=self.INTERPRET)
         assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
 
+    @pytest.mark.parametrize("pipeline", [False, True], ids=["one_ahead", "pipelined"])
     @pytest.mark.parametrize("dtype", DTYPES)
-    def test_grouped_modules(self, dtype):
+    def test_grouped_modules(self, dtype, pipeline):
         """q, k and v shrink in one launch, each slot with its own rank in each module (0: the
-        adapter does not target it); each expands from its own xa columns."""
+        adapter does not target it); each expands from its own xa columns. The shrink's programs
+        walk many units each, their entries one unit ahead, or in the three-stage pipeline."""
+        lora.BLOCKS["onetrip"]["pipeline"] = pipeline
         base = CASES["mixed"]
         module_ranks = [base.ranks, (128, 0, 8, 1, 16, 64), (8, 8, 0, 16, 0, 1)]
         cases = [Case(ranks=r, lens=base.lens, fin=base.fin, fout=base.fout) for r in module_ranks]
