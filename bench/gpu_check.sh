@@ -176,9 +176,10 @@ if has onetrip_sweep; then
   # variants OT_SWEEP_VARIANTS: both forms, or onetrip alone where the one-launch form hung in the
   # onetrip part), then the one-launch form with tickets. Packed into $OUT/onetrip-sweep.tgz.
   # (registers on sm_90 from bench/kernel_sass.py --kernels onetrip at 64 x 32, shrink / expand:
-  # defaults 92 / 63; pipeline 111; k_tile 128 with 2 warps 78 (12 programs an SM); k_tile 64 64;
-  # col_tile 64 with 2 warps: expand 61, 16 programs an SM)
-  ob=${OT_BLOCKS:-'{"onetrip":{"pipeline":true}} {"onetrip":{"k_tile":128}} {"onetrip":{"k_tile":128,"shrink_warps":2}} {"onetrip":{"k_tile":64}} {"onetrip":{"tile_branches":false}} {"onetrip":{"col_tile":64,"expand_warps":2}} {"onetrip":{"max_programs":2048}}'}
+  # defaults (gemv, k_tile 128 in 2 warps, block_t 2) 64 / 72; k_tile 256 in 4 warps 72; block_t 1:
+  # 56 / 48; block_t 4: 80 / 96; col_tile 64: expand 56; the dot form: 92 / 63, but its two
+  # operands' loads are two dependent trips)
+  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"block_t":1}} {"onetrip":{"block_t":4}} {"onetrip":{"col_tile":64}} {"onetrip":{"tile_branches":false}} {"onetrip":{"form":"dot","block_t":16,"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"pipeline":true}}'}
   OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=${OT_SWEEP_VARIANTS:-onetrip,onetrip1} \
     T_SWEEP=${T_OT_SWEEP:-55} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   timeout "${T_OT_SWEEP:-60}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64 --adapters 32 \

@@ -175,8 +175,18 @@ BLOCKS = {
     # engine runs each such module's decode LoRA as onetrip_apply (one launch a
     # module: q, k, v and o in 4 launches a layer) instead of the pair (the grouped q/k/v shrink and
     # 4 expands: 5).
-    "onetrip": dict(decode=False, block_t=16, rank_tile=16, k_tile=256, max_programs=1024, col_tile=128,
-                    shrink_warps=4, expand_warps=4, num_stages=1, tile_branches=True, ticket=False,
+    # form: "gemv" (S-LoRA's MBGMV: a token at a time, products by multiply and sum; block_t any)
+    # or "dot" (Triton dots of block_t >= 16 token rows). Compiled for sm_90 (bench/kernel_sass.py),
+    # the dot form's loads are two dependent trips: Triton converts the first operand's tile into
+    # shared memory (behind a barrier) before it issues the second operand's loads; the gemv form
+    # has no conversion between them.
+    # Defaults from the compiled kernels' registers (sm_90, bench/kernel_sass.py --kernels onetrip,
+    # 64 tokens x 32 adapters; untimed): the shrink at k_tile 128 in 2 warps takes 64 registers, so
+    # an SM holds 16 programs and the point's 2048 units (64 items x 32 splits) run in one wave of
+    # 2048 programs (k_tile 256 in 4 warps: 72 registers, 7 programs an SM, 1024 units in 1.1
+    # waves); the expand at 128 columns in 4 warps takes 72 (7 an SM).
+    "onetrip": dict(decode=False, form="gemv", block_t=2, rank_tile=16, k_tile=128, max_programs=2048, col_tile=128,
+                    shrink_warps=2, expand_warps=4, num_stages=1, tile_branches=True, ticket=False,
                     one_launch=False, pipeline=False),
 }
 # Tried and dropped (H200 sweep, bench/results/20261130-8f52164/sweep.jsonl, qkvo, shrink + expand,

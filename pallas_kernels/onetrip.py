@@ -56,6 +56,7 @@ def _settings() -> dict:
 
 def _frozen() -> tuple:
     """The settings as a jit static argument: a change of BLOCKS["onetrip"] retraces the kernels."""
+    _check(_settings())
     return tuple(sorted(_settings().items()))
 
 
@@ -145,6 +146,15 @@ def expand_plan(ranks, b_rows, seg_starts, t: int, *, fout: int, width: int, max
     return np.array([n], np.int32), meta_out, rid_out
 
 
+def _check(s: dict) -> None:
+    if s["form"] not in ("gemv", "dot"):
+        raise ValueError(f'BLOCKS["onetrip"]["form"] must be "gemv" or "dot", got {s["form"]!r}')
+    bt = s["block_t"]
+    if bt < 1 or (s["form"] == "dot" and (bt < 16 or bt & (bt - 1))):
+        raise ValueError(f'BLOCKS["onetrip"]["block_t"] {bt}: the dot form needs a power of two >= 16 '
+                         "(Triton's dot sides), the gemv form any count >= 1")
+
+
 def _splits(fin: int, width: int, s: dict) -> int:
     return fin // _tile(width, s["k_tile"])
 
@@ -154,7 +164,7 @@ def _params(interpret: bool, warps: int, stages: int):
 
 
 def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_ref, *, splits, block_t, rank_tile,
-                  k_tile, width, dtype, atomic, interpret, pipeline=True, done=None):
+                  k_tile, width, dtype, atomic, interpret, pipeline=True, gemv=False, done=None):
     """Program p's shrink units p, p + n_programs, ... below total; with `pipeline` in three
     stages: a unit's entry is read two units ahead and its rows gathered one ahead of its product,
     so a program with several units (large decode steps) waits on about one trip a unit. An entry past
@@ -177,21 +187,34 @@ def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_r
         row_live = jnp.arange(rank_tile) < live
         cols = pl.multiple_of(jax.lax.rem(c0, width), k_tile) + jnp.arange(k_tile)
         at = plgpu.load(rows_ref.at[rid[:, None], cols[None, :]], mask=row_live[:, None], other=0)
+        if gemv:  # a row of x per token (no dot: no layout conversion between the loads)
+            return at, [plgpu.load(x_ref.at[tok0 + t, pl.ds(c0, k_tile)],
+                                   mask=jnp.broadcast_to(tok0 + t < tok1, (k_tile,)), other=0)
+                        for t in range(block_t)]
         xt = plgpu.load(x_ref.at[pl.ds(tok0, block_t), pl.ds(c0, k_tile)], mask=tok_live[:, None], other=0)
         return at, xt
 
-    def finish(ent, tiles):
-        tok0, tok1, live, col, blk, _, _ = ent
-        at, xt = tiles
-        acc = jax.lax.dot_general(xt.astype(dtype), at.astype(dtype), (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-        mask = (tok0 + jnp.arange(block_t) < tok1)[:, None] & (jnp.arange(rank_tile) < live)[None, :]
-        tile = (pl.ds(tok0, block_t), pl.ds(col, rank_tile))
+    def add_into(tile, acc, mask):
         if atomic:
             # interpret mode's atomic add takes no mask: dead entries add zero, xa has block_t spare rows
             plgpu.atomic_add(xa_ref, tile, jnp.where(mask, acc, 0.0), mask=None if interpret else mask)
         else:
             plgpu.store(xa_ref.at[tile], acc, mask=mask)
+
+    def finish(ent, tiles):
+        tok0, tok1, live, col, blk, _, _ = ent
+        at, xt = tiles
+        row_live = jnp.arange(rank_tile) < live
+        if gemv:  # S-LoRA's MBGMV: for each token, a multiply and a sum over the split's columns
+            a32 = at.astype(jnp.float32)
+            for t, x_t in enumerate(xt):
+                acc = jnp.sum(a32 * x_t.astype(dtype).astype(jnp.float32)[None, :], axis=1)
+                add_into((tok0 + t, pl.ds(col, rank_tile)), acc, row_live & (tok0 + t < tok1))
+        else:
+            acc = jax.lax.dot_general(xt.astype(dtype), at.astype(dtype), (((1,), (1,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+            mask = (tok0 + jnp.arange(block_t) < tok1)[:, None] & row_live[None, :]
+            add_into((pl.ds(tok0, block_t), pl.ds(col, rank_tile)), acc, mask)
         if done is not None:
             done(blk)
 
@@ -220,7 +243,7 @@ def _shrink_kernel(total_ref, meta_ref, rid_ref, x_ref, rows_ref, _xa_in, xa_ref
 
 
 def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, *, block_t, rank_tile,
-                 col_tile, width, xa_col, dtype, branches=True, wait=None):
+                 col_tile, width, xa_col, dtype, branches=True, gemv=False, wait=None):
     """Block b's column tile c: y + xa @ B. Every B tile and the y tile are loaded first (one trip),
     then, after wait(b, rank) if given (the one-launch form: until b's shrink units are in), xa."""
     tok0, tok1, r = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
@@ -237,6 +260,11 @@ def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
         for kt in range(n_tiles):  # every tile's loads issued before any product: one trip
             rid_k = rid_ref[b, jax.lax.div(c0, width), pl.ds(kt * rank_tile, rank_tile)]
             b_tiles.append(plgpu.load(rows_ref.at[rid_k[:, None], cols[None, :]], mask=live[kt][:, None], other=0))
+        if gemv:
+            _expand_gemv(b_tiles, live, tok0, tok1, r, c0, xa_ref, y_ref, out_ref, block_t=block_t,
+                         rank_tile=rank_tile, col_tile=col_tile, xa_col=xa_col, dtype=dtype, branches=branches,
+                         wait=wait, b=b)
+            return
         tile = (pl.ds(tok0, block_t), pl.ds(c0, col_tile))
         y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         if wait is not None:
@@ -257,6 +285,29 @@ def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
                 acc = jax.lax.cond(kt * rank_tile < r, add, lambda a: a, acc)
         plgpu.store(out_ref.at[tile], (y.astype(jnp.float32) + acc).astype(out_ref.dtype),
                     mask=tok_live[:, None])
+
+
+def _expand_gemv(b_tiles, live, tok0, tok1, r, c0, xa_ref, y_ref, out_ref, *, block_t, rank_tile, col_tile, xa_col,
+                 dtype, branches, wait, b):
+    """_expand_unit's MBGMV form: a token at a time, y_t + sum_j xa_t[j] * B[j, cols] by a multiply
+    and a sum over the rank rows (no dot, so no layout conversion orders the loads)."""
+    ys = [plgpu.load(y_ref.at[tok0 + t, pl.ds(c0, col_tile)], mask=jnp.broadcast_to(tok0 + t < tok1, (col_tile,)),
+                     other=0) for t in range(block_t)]
+    if wait is not None:
+        wait(b, r)
+    xas = [[plgpu.load(xa_ref.at[tok0 + t, pl.ds(xa_col + kt * rank_tile, rank_tile)],
+                       mask=live[kt] & (tok0 + t < tok1), other=0, volatile=wait is not None)
+            for kt in range(len(b_tiles))] for t in range(block_t)]
+    accs = tuple(y.astype(jnp.float32) for y in ys)
+    for kt, bt in enumerate(b_tiles):  # tiles outer: one tile's float32 copy live at a time
+        def add(accs, bt=bt, kt=kt):
+            b32 = bt.astype(jnp.float32)
+            return tuple(a + jnp.sum(b32 * xas[t][kt].astype(dtype).astype(jnp.float32)[:, None], axis=0)
+                         for t, a in enumerate(accs))
+        accs = add(accs) if kt == 0 or not branches else jax.lax.cond(kt * rank_tile < r, add, lambda a: a, accs)
+    for t, acc in enumerate(accs):
+        plgpu.store(out_ref.at[tok0 + t, pl.ds(c0, col_tile)], acc.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(tok0 + t < tok1, (col_tile,)))
 
 
 def _expand_kernel(total_ref, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_ref, **kw):
@@ -299,7 +350,8 @@ def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool, se
         x = _pad_rows(x, t + bt)
     kernel = functools.partial(_shrink_kernel, n_programs=n_programs, splits=splits, block_t=bt, rank_tile=rt,
                                k_tile=kt, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
-                               atomic=splits > 1, interpret=interpret, pipeline=s["pipeline"])
+                               atomic=splits > 1, interpret=interpret, pipeline=s["pipeline"],
+                               gemv=s["form"] == "gemv")
     return pl.pallas_call(
         kernel, grid=(n_programs,), out_shape=out,
         input_output_aliases={5: 0} if splits > 1 else {},
@@ -321,7 +373,7 @@ def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool, settings: tuple)
     assert rid.shape[-1] % rt == 0 and xa.shape[-1] >= xa_col + rid.shape[-1], (rid.shape, xa.shape, xa_col)
     y_in = _pad_rows(y, t + bt) if interpret else y
     kernel = functools.partial(_expand_kernel, block_t=bt, rank_tile=rt, col_tile=col_tile, width=width,
-                               xa_col=xa_col, dtype=rows.dtype, branches=s["tile_branches"])
+                               xa_col=xa_col, dtype=rows.dtype, branches=s["tile_branches"], gemv=s["form"] == "gemv")
     out = pl.pallas_call(
         kernel, grid=(meta.shape[0], fout // col_tile),
         out_shape=jax.ShapeDtypeStruct(y_in.shape, y.dtype),
@@ -412,9 +464,9 @@ def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool, set
     kernel = functools.partial(
         _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits, ticket=s["ticket"],
         shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
-                       interpret=interpret, pipeline=s["pipeline"]),
+                       interpret=interpret, pipeline=s["pipeline"], gemv=s["form"] == "gemv"),
         expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype,
-                       branches=s["tile_branches"]))
+                       branches=s["tile_branches"], gemv=s["form"] == "gemv"))
     xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)
     cnt = jax.ShapeDtypeStruct((nb + 1,), jnp.int32)  # a counter a block, and the ticket
     out, _, _ = pl.pallas_call(

@@ -35,6 +35,7 @@ CASES = {
     "gqa_kv": Case(ranks=(8, 64, 1, 128, 16), lens=(3, 17, 2, 6, 0), fin=128, fout=32),
 }
 SMALL = dict(k_tile=16, col_tile=16, max_programs=5)  # W = 32: 2 splits a pool row, 2 column tiles
+FORMS = {"gemv": dict(form="gemv", block_t=3), "dot": dict(form="dot", block_t=16)}
 
 
 @pytest.fixture
@@ -61,13 +62,15 @@ def _plans(arr, ranks, seg, case, t=TOKENS, max_rank=MAX_RANK):
 class TestOnetrip:
     INTERPRET = True
 
+    @pytest.mark.parametrize("form", FORMS)
     @pytest.mark.parametrize("branches", [True, False], ids=["branches", "masked_tiles"])
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", list(CASES))
-    def test_apply(self, name, dtype, branches):
-        """The pair; the expand's rank tiles past the first under branches on the rank, and
-        without (BLOCKS["onetrip"]["tile_branches"]: every tile's dot on masked zeros)."""
-        lora.BLOCKS["onetrip"]["tile_branches"] = branches
+    def test_apply(self, name, dtype, branches, form):
+        """The pair, in both forms (gemv: a token at a time, blocks of 3 tokens; dot: blocks of 16);
+        the expand's rank tiles past the first under branches on the rank, and without
+        (BLOCKS["onetrip"]["tile_branches"]: every tile's product on masked zeros)."""
+        lora.BLOCKS["onetrip"].update(tile_branches=branches, **FORMS[form])
         case = CASES[name]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("onetrip", name, dtype))
         sp, ep = _plans(arr, ranks, seg, case)
@@ -86,16 +89,17 @@ class TestOnetrip:
         got = onetrip.onetrip_expand(y, xa, arr["rows"], ep, interpret=self.INTERPRET)
         assert_applied(got, y, arr, a_mats, b_mats, seg, ranks, case.fout, dtype)
 
+    @pytest.mark.parametrize("form", FORMS)
     @pytest.mark.parametrize("ticket", [False, True], ids=["index", "ticket"])
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("name", ["mixed", "whole_batch", "gqa_kv"])
-    def test_one_launch(self, name, dtype, ticket):
+    def test_one_launch(self, name, dtype, ticket, form):
         """onetrip_apply: shrink and expand in one launch, the expand's programs waiting on their
         block's counter, each program's place its index or a ticket (in interpret mode the
         programs run in index order, no counters: the ticket is the GPU's)."""
         if ticket and self.INTERPRET:
             pytest.skip("interpret mode runs programs in index order: no ticket")
-        lora.BLOCKS["onetrip"]["ticket"] = ticket
+        lora.BLOCKS["onetrip"].update(ticket=ticket, **FORMS[form])
         case = CASES[name]
         arr, a_mats, b_mats, seg, ranks = make_inputs(case, dtype, seed_of("onetrip-1", name, dtype))
         sp, ep = _plans(arr, ranks, seg, case)
@@ -186,11 +190,13 @@ def test_one_launch_counts_match_the_plans():
         assert (meta[np.arange(total[0]) // splits][blocks == b, :2] == emeta[b, :2]).all()
 
 
+@pytest.mark.parametrize("kernel_form", FORMS)
 @pytest.mark.parametrize("form,launches", [("pair", 2), ("one_launch", 1), ("one_launch_ticket", 1)])
 @pytest.mark.parametrize("fin,fout,width", [(4096, 4096, 4096), (4096, 1024, 1024)])
-def test_lowers_to_triton(fin, fout, width, form, launches, saved_blocks):
+def test_lowers_to_triton(fin, fout, width, form, launches, kernel_form, saved_blocks):
     """The pair, and the one-launch form, lower for an H200 on the CPU (llama-7b's q/k/v/o; GQA's
     k/v at W 1024)."""
+    saved_blocks.update(FORMS[kernel_form])
     t, sa, r, n = 64, 32, 64, 4096
     sds = jax.ShapeDtypeStruct
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
