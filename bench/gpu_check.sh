@@ -178,8 +178,10 @@ if has onetrip_sweep; then
   # (registers on sm_90 from bench/kernel_sass.py --kernels onetrip at 64 x 32, shrink / expand:
   # defaults (gemv, k_tile 128 in 2 warps, block_t 2) 64 / 72; k_tile 256 in 4 warps 72; block_t 1:
   # 56 / 48; block_t 4: 80 / 96; col_tile 64: expand 56; the dot form: 92 / 63, but its two
-  # operands' loads are two dependent trips)
-  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"block_t":1}} {"onetrip":{"block_t":4}} {"onetrip":{"col_tile":64}} {"onetrip":{"tile_branches":false}} {"onetrip":{"form":"dot","block_t":16,"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"pipeline":true}}'}
+  # operands' loads are two dependent trips; the wide shrink, k_tile 4096 (no split: no atomics,
+  # no fence, no zeroed xa), rank_tile 8, 16 warps: 118, one program an SM, 120 programs at the
+  # point, each reading 64 KB in one trip)
+  ob=${OT_BLOCKS:-'{"onetrip":{"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"block_t":1}} {"onetrip":{"block_t":4}} {"onetrip":{"col_tile":64}} {"onetrip":{"tile_branches":false}} {"onetrip":{"form":"dot","block_t":16,"k_tile":256,"shrink_warps":4,"max_programs":1024}} {"onetrip":{"k_tile":4096,"rank_tile":8,"shrink_warps":16}}'}
   OUT=$OUT/onetrip-sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=${OT_SWEEP_VARIANTS:-onetrip,onetrip1} \
     T_SWEEP=${T_OT_SWEEP:-55} SWEEP_BLOCKS="{} $ob" XLA_CACHE_SAVE=0 bash "$0" sweep
   timeout "${T_OT_SWEEP:-60}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64 --adapters 32 \
