@@ -11,16 +11,26 @@ table serves all layers). A program reads its entry and the live total (trip one
 weight rows, x or xa, and y together (trip two), computes and stores.
 
 Shrink (`onetrip_shrink`): a unit is (token block of block_t tokens, rank tile of rank_tile A^T
-rows, split of k_tile `in` columns); xa[tokens, tile] += x[tokens, split] @ A^T[tile, split]^T, the
-splits meeting in a zeroed float32 xa by atomic adds (split-K gives a decode step enough programs
-of one tile each). Modules that read the same x (q, k, v) are one launch: a unit's xa column says
+rows, split of k_tile `in` columns); xa[tokens, tile] += x[tokens, split] @ A^T[tile, split]^T. The
+splits meet in a zeroed float32 xa by atomic adds (split-K gives a decode step enough programs of
+one tile each); with one split (k_tile = in: the "wide" shrink) they are plain stores into an xa
+nobody zeroed. Modules that read the same x (q, k, v) are one launch: a unit's xa column says
 whose. Programs walk units p, p + P, ... below the live total (P <= max_programs), so a unit bound
-that the ranks leave half empty costs no programs.
+that the ranks leave half empty costs no programs; `pipeline` runs a program's units in three
+stages.
 
 Expand (`onetrip_expand`): a unit is (token block, col_tile output columns); every rank tile of the
 slot's B rows is gathered in the same trip (rows past the rank masked off: no traffic), and each
-live tile's dot is added under a branch, so compute on padding stays within one rank tile whatever
-the batch's max rank. y += xa @ B in y's dtype, in place.
+live tile's product is added under a branch (`tile_branches`), so compute on padding stays within
+one rank tile whatever the batch's max rank. y += xa @ B in y's dtype, in place.
+
+Forms (`form`): "gemv", S-LoRA's MBGMV, a token at a time with products by multiply and sum (the
+default), or "dot", Triton dots of block_t >= 16 token rows. Compiled for sm_90, the dot form's
+second operand is loaded only after the first went through shared memory behind a barrier, two
+dependent trips; the gemv form issues all of a unit's loads first (bench/kernel_sass.py).
+
+One launch (`onetrip_apply`): the shrink's programs first, then the expand's, which gather their B
+and y tiles, wait on their block's counter, then read xa (see `_one_launch_kernel`).
 
 Where: every A^T row (shrink) and every B row (expand) is a whole number of pool rows, i.e. the pool
 width W divides `in` (`out`): q, k, v and o of Llama-family models at any GQA ratio. Other widths
@@ -40,9 +50,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.lora import BLOCKS, _interpret
 
-# Defaults; BLOCKS["onetrip"] (lora.py, overridable by set_blocks / SLORA_LORA_BLOCKS) holds the live
-# values: decode (the engine uses the pair for decode steps where it applies), the shrink's
-# block_t / rank_tile / k_tile / max_programs and warps, the expand's col_tile and warps.
+# The settings live in BLOCKS["onetrip"] (lora.py, where each is described; overridable by
+# set_blocks / SLORA_LORA_BLOCKS), read when a kernel is traced.
 
 
 def applies(width: int, features: int) -> bool:
