@@ -19,6 +19,7 @@ leave an SM four programs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -42,17 +43,12 @@ def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
     return max(0, min(by_regs, by_shared, SM_THREADS // (32 * num_warps), SM_BLOCKS))
 
 
-def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, out_dir: Path,
-          y_dtype: str = "bfloat16") -> dict:
-    """Lower the shrink and the expand for a decode step (tokens spread over adapters of rank
-    max_rank // 4) to Triton IR files in out_dir; returns {name: (path, num_warps, num_stages)}."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+@contextlib.contextmanager
+def _triton_modules():
+    """Yields a list that collects the Triton IR text of every pallas_call lowered inside, for an
+    H200 (sm_90), on a machine without a GPU (the lowering's GPU query answered)."""
     from jax._src.pallas.triton import lowering as triton_lowering
     from jax._src.pallas.triton import pallas_call_registration as registration
-
-    from pallas_kernels import lora
 
     class _H200:
         compute_capability = 90
@@ -68,6 +64,22 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
         return result
     registration.lowering.lower_jaxpr_to_triton_module = keep
     try:
+        yield modules
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = real
+        registration.gpu_info_lib.get_gpu_info = gpu_info
+
+
+def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, out_dir: Path,
+          y_dtype: str = "bfloat16") -> dict:
+    """Lower the shrink and the expand for a decode step (tokens spread over adapters of rank
+    max_rank // 4) to Triton IR files in out_dir; returns {name: (path, num_warps, num_stages)}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels import lora
+
+    with _triton_modules() as modules:
         x = jnp.zeros((tokens, features), jnp.bfloat16)
         rows = jnp.zeros((4096, width), jnp.bfloat16)
         a_rows = jnp.zeros((adapters, -(-max_rank * features // width)), jnp.int32)
@@ -92,9 +104,6 @@ def lower(tokens: int, adapters: int, max_rank: int, width: int, features: int, 
             jax.jit(lambda *a: lora._expand(*a, max_rank=max_rank, out_features=features, interpret=False,
                                             block_t=block_t, max_programs=lora.BLOCKS["expand"]["max_programs"])
                     ).trace(y, xa, rows, a_rows, ranks, seg, bsched).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = real
-        registration.gpu_info_lib.get_gpu_info = gpu_info
     out = {}
     for name, text in zip(("lora_shrink", "lora_expand"), [m for m in modules if "tt.func" in m]):
         path = out_dir / f"{name}.ttir"
@@ -111,25 +120,9 @@ def lower_onetrip(tokens: int, adapters: int, max_rank: int, width: int, feature
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax._src.pallas.triton import lowering as triton_lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
     from pallas_kernels import lora, onetrip
 
-    class _H200:
-        compute_capability = 90
-
-    gpu_info = registration.gpu_info_lib.get_gpu_info
-    registration.gpu_info_lib.get_gpu_info = lambda: _H200()
-    modules = []
-    real = triton_lowering.lower_jaxpr_to_triton_module
-
-    def keep(*args, **kw):
-        result = real(*args, **kw)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-    registration.lowering.lower_jaxpr_to_triton_module = keep
-    try:
+    with _triton_modules() as modules:
         ranks = np.array([max(1, max_rank // d) for d in (8, 4, 2, 1)] * -(-adapters // 4), np.int32)[:adapters]
         seg = np.linspace(0, tokens, adapters + 1).astype(np.int32)
         kw = dict(width=width, max_rank=max_rank)
@@ -149,9 +142,6 @@ def lower_onetrip(tokens: int, adapters: int, max_rank: int, width: int, feature
                              (lambda y, x, rows, sp, ep: onetrip.onetrip_apply(y, x, rows, sp, ep, max_rank=max_rank,
                                                                                interpret=False), (x, x, rows, sp, ep))):
                 jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = real
-        registration.gpu_info_lib.get_gpu_info = gpu_info
     s = lora.BLOCKS["onetrip"]
     warps = {"onetrip_shrink": s["shrink_warps"], "onetrip_expand": s["expand_warps"],
              "onetrip_one_launch": s["expand_warps"]}

@@ -168,6 +168,31 @@ def _splits(fin: int, width: int, s: dict) -> int:
     return fin // _tile(width, s["k_tile"])
 
 
+def _shrink_options(s: dict, x, rows, interpret: bool, atomic: bool | None = None) -> dict:
+    """_shrink_units' static options for x [T, in] over pool rows [N, W] (atomic None: where there
+    are splits to meet)."""
+    fin, width = x.shape[1], rows.shape[1]
+    assert applies(width, fin), (width, fin)
+    splits = _splits(fin, width, s)
+    return dict(splits=splits, block_t=s["block_t"], rank_tile=s["rank_tile"], k_tile=_tile(width, s["k_tile"]),
+                width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
+                atomic=splits > 1 if atomic is None else atomic, interpret=interpret, pipeline=s["pipeline"],
+                gemv=s["form"] == "gemv")
+
+
+def _expand_options(s: dict, rows, fout: int, xa_col: int) -> dict:
+    """_expand_unit's static options for an output of fout columns over pool rows [N, W]."""
+    width = rows.shape[1]
+    assert applies(width, fout), (width, fout)
+    return dict(block_t=s["block_t"], rank_tile=s["rank_tile"], col_tile=_tile(width, s["col_tile"]), width=width,
+                xa_col=xa_col, dtype=rows.dtype, branches=s["tile_branches"], gemv=s["form"] == "gemv")
+
+
+def _shrink_programs(s: dict, meta, splits: int) -> int:
+    """Programs of a shrink over a table of meta.shape[0] items: its unit bound, at most max_programs."""
+    return max(1, min(meta.shape[0] * splits, s["max_programs"]))
+
+
 def _params(interpret: bool, warps: int, stages: int):
     return None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
@@ -346,45 +371,32 @@ def onetrip_expand(y, xa, rows, plan, *, xa_col: int = 0, interpret: bool | None
 def _shrink(x, rows, plan, *, n_modules: int, max_rank: int, interpret: bool, settings: tuple):
     s = dict(settings)
     total, meta, rid = plan
-    t, fin = x.shape
-    width = rows.shape[1]
-    bt, rt, kt = s["block_t"], s["rank_tile"], _tile(width, s["k_tile"])
-    assert applies(width, fin), (width, fin)
-    splits = _splits(fin, width, s)
-    units = meta.shape[0] * splits
-    n_programs = max(1, min(units, s["max_programs"]))
+    t, bt, rt = x.shape[0], s["block_t"], s["rank_tile"]
+    kw = _shrink_options(s, x, rows, interpret)
+    n_programs = _shrink_programs(s, meta, kw["splits"])
     rw = -(-max_rank // rt) * rt
     out = jax.ShapeDtypeStruct((t + bt, n_modules * rw), jnp.float32)
     if interpret:  # interpret mode clamps a block's slice at the end of x instead of masking it
         x = _pad_rows(x, t + bt)
-    kernel = functools.partial(_shrink_kernel, n_programs=n_programs, splits=splits, block_t=bt, rank_tile=rt,
-                               k_tile=kt, width=width, dtype=jnp.promote_types(x.dtype, rows.dtype),
-                               atomic=splits > 1, interpret=interpret, pipeline=s["pipeline"],
-                               gemv=s["form"] == "gemv")
     return pl.pallas_call(
-        kernel, grid=(n_programs,), out_shape=out,
-        input_output_aliases={5: 0} if splits > 1 else {},
+        functools.partial(_shrink_kernel, n_programs=n_programs, **kw), grid=(n_programs,), out_shape=out,
+        input_output_aliases={5: 0} if kw["atomic"] else {},
         interpret=interpret, compiler_params=_params(interpret, s["shrink_warps"], s["num_stages"]),
         name="lora_shrink_onetrip",
     )(total.astype(jnp.int32), meta.astype(jnp.int32), rid.astype(jnp.int32), x, rows,
-      jnp.zeros(out.shape, jnp.float32) if splits > 1 else jnp.zeros((1, 1), jnp.float32))
+      jnp.zeros(out.shape, jnp.float32) if kw["atomic"] else jnp.zeros((1, 1), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("xa_col", "interpret", "settings"))
 def _expand(y, xa, rows, plan, *, xa_col: int, interpret: bool, settings: tuple):
     s = dict(settings)
     total, meta, rid = plan
-    t, fout = y.shape
-    width = rows.shape[1]
-    bt, rt = s["block_t"], s["rank_tile"]
-    col_tile = _tile(width, s["col_tile"])
-    assert applies(width, fout), (width, fout)
-    assert rid.shape[-1] % rt == 0 and xa.shape[-1] >= xa_col + rid.shape[-1], (rid.shape, xa.shape, xa_col)
+    (t, fout), bt = y.shape, s["block_t"]
+    kw = _expand_options(s, rows, fout, xa_col)
+    assert rid.shape[-1] % kw["rank_tile"] == 0 and xa.shape[-1] >= xa_col + rid.shape[-1], (rid.shape, xa.shape, xa_col)
     y_in = _pad_rows(y, t + bt) if interpret else y
-    kernel = functools.partial(_expand_kernel, block_t=bt, rank_tile=rt, col_tile=col_tile, width=width,
-                               xa_col=xa_col, dtype=rows.dtype, branches=s["tile_branches"], gemv=s["form"] == "gemv")
     out = pl.pallas_call(
-        kernel, grid=(meta.shape[0], fout // col_tile),
+        functools.partial(_expand_kernel, **kw), grid=(meta.shape[0], fout // kw["col_tile"]),
         out_shape=jax.ShapeDtypeStruct(y_in.shape, y.dtype),
         input_output_aliases={5: 0},  # base tokens keep y
         interpret=interpret, compiler_params=_params(interpret, s["expand_warps"], s["num_stages"]),
@@ -457,25 +469,17 @@ def onetrip_apply(y, x, rows, shrink_plan_, expand_plan_, *, max_rank: int, inte
 @functools.partial(jax.jit, static_argnames=("max_rank", "interpret", "settings"))
 def _one_launch(y, x, rows, splan, eplan, *, max_rank: int, interpret: bool, settings: tuple):
     s = dict(settings)
-    t, fin = x.shape
-    fout, width = y.shape[1], rows.shape[1]
-    bt, rt, kt = s["block_t"], s["rank_tile"], _tile(width, s["k_tile"])
-    col_tile = _tile(width, s["col_tile"])
-    assert applies(width, fin) and applies(width, fout), (width, fin, fout)
-    splits = _splits(fin, width, s)
-    n_shrink = max(1, min(splan[1].shape[0] * splits, s["max_programs"]))
-    nb, n_col = eplan[1].shape[0], fout // col_tile
-    rw = -(-max_rank // rt) * rt
-    dtype = jnp.promote_types(x.dtype, rows.dtype)
+    (t, fout), bt = y.shape, s["block_t"]
+    shrink_kw = _shrink_options(s, x, rows, interpret, atomic=True)   # xa is zeroed either way
+    expand_kw = _expand_options(s, rows, fout, 0)
+    n_shrink = _shrink_programs(s, splan[1], shrink_kw["splits"])
+    nb, n_col = eplan[1].shape[0], fout // expand_kw["col_tile"]
+    rw = -(-max_rank // s["rank_tile"]) * s["rank_tile"]
     if interpret:  # see _shrink, _expand
         x = _pad_rows(x, t + bt)
     y_in = _pad_rows(y, t + bt) if interpret else y
-    kernel = functools.partial(
-        _one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=splits, ticket=s["ticket"],
-        shrink_kw=dict(splits=splits, block_t=bt, rank_tile=rt, k_tile=kt, width=width, dtype=dtype, atomic=True,
-                       interpret=interpret, pipeline=s["pipeline"], gemv=s["form"] == "gemv"),
-        expand_kw=dict(block_t=bt, rank_tile=rt, col_tile=col_tile, width=width, xa_col=0, dtype=rows.dtype,
-                       branches=s["tile_branches"], gemv=s["form"] == "gemv"))
+    kernel = functools.partial(_one_launch_kernel, n_shrink=n_shrink, n_col=n_col, splits=shrink_kw["splits"],
+                               ticket=s["ticket"], shrink_kw=shrink_kw, expand_kw=expand_kw)
     xa = jax.ShapeDtypeStruct((t + bt, rw), jnp.float32)
     cnt = jax.ShapeDtypeStruct((nb + 1,), jnp.int32)  # a counter a block, and the ticket
     out, _, _ = pl.pallas_call(

@@ -299,25 +299,21 @@ def onetrip_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg: 
     launches = [(m,) for m in rows if not (group_qkv and len(group) > 1 and m in QKV)]
     if group_qkv and len(group) > 1:
         launches.append(group)
+    kw = dict(width=width, max_rank=max_rank)
     for mods in launches:
         fin = cfg.module_shape(mods[0])[0]
         if not (onetrip.applies(width, fin) and all(onetrip.applies(width, cfg.module_shape(m)[1]) for m in mods)):
             continue
-        kw = dict(width=width, max_rank=max_rank)
+        expands = {m: onetrip.expand_plan(ranks[m], rows[m][1], seg_starts, t, fout=cfg.module_shape(m)[1], **kw)
+                   for m in mods}
         if BLOCKS["onetrip"]["one_launch"]:  # each module's shrink and expand in one launch
             for m in mods:
                 out["onetrip-apply:" + m] = (
-                    onetrip.shrink_plan(ranks[m][None], rows[m][0][None], seg_starts, t, fin=fin, **kw),
-                    onetrip.expand_plan(ranks[m], rows[m][1], seg_starts, t, fout=cfg.module_shape(m)[1], **kw))
+                    onetrip.shrink_plan(ranks[m][None], rows[m][0][None], seg_starts, t, fin=fin, **kw), expands[m])
             continue
-        name = "qkv" if len(mods) > 1 else mods[0]
-        out["onetrip-shrink:" + name] = onetrip.shrink_plan(
-            np.stack([ranks[m] for m in mods]), np.stack([rows[m][0] for m in mods]), seg_starts, t, fin=fin,
-            width=width, max_rank=max_rank)
-        for m in mods:
-            out["onetrip-expand:" + m] = onetrip.expand_plan(ranks[m], rows[m][1], seg_starts, t,
-                                                             fout=cfg.module_shape(m)[1], width=width,
-                                                             max_rank=max_rank)
+        out["onetrip-shrink:" + ("qkv" if len(mods) > 1 else mods[0])] = onetrip.shrink_plan(
+            np.stack([ranks[m] for m in mods]), np.stack([rows[m][0] for m in mods]), seg_starts, t, fin=fin, **kw)
+        out.update(("onetrip-expand:" + m, e) for m, e in expands.items())
     return out
 
 
@@ -374,9 +370,10 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
             return y + lora_xla_expand(xa.astype(x.dtype), pool[layer], b_rows, lora.max_rank, fout).astype(y.dtype)
         pl = pool[layer]
         rows = pl.reshape(-1, pl.shape[-1])
-        schedule = lora.schedules.get(module) if lora.schedules else None
-        if lora.schedules and "onetrip-apply:" + module in lora.schedules:  # one launch (onetrip_plans)
-            return onetrip.onetrip_apply(y, x, rows, *lora.schedules["onetrip-apply:" + module], max_rank=lora.max_rank)
+        plans = lora.schedules or {}
+        schedule = plans.get(module)
+        if "onetrip-apply:" + module in plans:  # one launch (onetrip_plans)
+            return onetrip.onetrip_apply(y, x, rows, *plans["onetrip-apply:" + module], max_rank=lora.max_rank)
         if lora.backend == "triton":
             from triton_kernels.lora import lora_apply as triton_apply  # needs jax-triton
             return triton_apply(y, x, rows, a_rows, b_rows, lora.ranks[module], lora.seg_starts,
@@ -389,22 +386,22 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
             group = qkv_group(lora.rows)
         launch = "qkv" if len(group) > 1 else module
         shrink_bt = dict(lora.shrink_block_t).get(launch, lora.block_t)  # 1: a decode step's (MBGMV)
-        plans = lora.schedules or {}
         one_trip = "onetrip-shrink:" + launch in plans  # a decode step's one-trip pair (onetrip_plans)
         seen = shrunk.get(layer)
-        if one_trip and (seen is None or seen[0] is not key or seen[1] != group):
-            seen = shrunk[layer] = (key, group, onetrip.onetrip_shrink(
-                x, rows, plans["onetrip-shrink:" + launch], n_modules=len(group), max_rank=lora.max_rank))
-        elif seen is None or seen[0] is not key or seen[1] != group:
-            group_schedule = lora.schedules.get("shrink:" + launch) if lora.schedules else None
-            if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
-                a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
+        if seen is None or seen[0] is not key or seen[1] != group:
+            if one_trip:
+                xa = onetrip.onetrip_shrink(x, rows, plans["onetrip-shrink:" + launch], n_modules=len(group),
+                                            max_rank=lora.max_rank)
             else:
-                a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
-            seen = shrunk[layer] = (key, group, reduce(lora_shrink_group(
-                x, rows, a_group, r_group, lora.seg_starts,
-                max_rank=lora.max_rank, in_features=fin, schedule=group_schedule, block_t=shrink_bt,
-                token_slot=lora.token_slot)))
+                group_schedule = plans.get("shrink:" + launch)
+                if len(group) > 1 and lora.qkv_a_rows is not None:  # stacked on the host (stack_qkv)
+                    a_group, r_group = lora.qkv_a_rows, lora.qkv_ranks
+                else:
+                    a_group, r_group = [lora.rows[m][0] for m in group], [lora.ranks[m] for m in group]
+                xa = reduce(lora_shrink_group(x, rows, a_group, r_group, lora.seg_starts, max_rank=lora.max_rank,
+                                              in_features=fin, schedule=group_schedule, block_t=shrink_bt,
+                                              token_slot=lora.token_slot))
+            seen = shrunk[layer] = (key, group, xa)
         xa = seen[2]
         col = group.index(module) * (xa.shape[-1] // len(group))  # this module's columns of xa
         if one_trip:
