@@ -217,7 +217,6 @@ def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_r
 
     def gather(ent):
         tok0, tok1, live, _, _, c0, rid = ent
-        tok_live = tok0 + jnp.arange(block_t) < tok1
         row_live = jnp.arange(rank_tile) < live
         cols = pl.multiple_of(jax.lax.rem(c0, width), k_tile) + jnp.arange(k_tile)
         at = plgpu.load(rows_ref.at[rid[:, None], cols[None, :]], mask=row_live[:, None], other=0)
@@ -225,6 +224,7 @@ def _shrink_units(p, n_programs, total, meta_ref, rid_ref, x_ref, rows_ref, xa_r
             return at, [plgpu.load(x_ref.at[tok0 + t, pl.ds(c0, k_tile)],
                                    mask=jnp.broadcast_to(tok0 + t < tok1, (k_tile,)), other=0)
                         for t in range(block_t)]
+        tok_live = tok0 + jnp.arange(block_t) < tok1  # the dot form only: Triton's ranges are powers of two
         xt = plgpu.load(x_ref.at[pl.ds(tok0, block_t), pl.ds(c0, k_tile)], mask=tok_live[:, None], other=0)
         return at, xt
 
@@ -286,7 +286,6 @@ def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
 
     @pl.when(b < total)
     def _():
-        tok_live = tok0 + jnp.arange(block_t) < tok1
         cols = pl.multiple_of(jax.lax.rem(c0, width), col_tile) + jnp.arange(col_tile)
         u = jnp.arange(rank_tile)
         live = [kt * rank_tile + u < r for kt in range(n_tiles)]
@@ -299,6 +298,7 @@ def _expand_unit(b, c, total, meta_ref, rid_ref, xa_ref, rows_ref, y_ref, out_re
                          rank_tile=rank_tile, col_tile=col_tile, xa_col=xa_col, dtype=dtype, branches=branches,
                          wait=wait, b=b)
             return
+        tok_live = tok0 + jnp.arange(block_t) < tok1  # the dot form only: Triton's ranges are powers of two
         tile = (pl.ds(tok0, block_t), pl.ds(c0, col_tile))
         y = plgpu.load(y_ref.at[tile], mask=tok_live[:, None], other=0)
         if wait is not None:
