@@ -292,7 +292,7 @@ class Engine:
         self._buffers = paged.StepBuffers.create(
             cfg, self._step_rows(), self._result_rows, self.dtype,
             jax.sharding.SingleDeviceSharding(jax.devices()[0])) if opts.stable_buffers else None
-        num_pages = self.num_pages = opts.pool_pages or self._pages_from_budget()
+        num_pages = self.num_pages = self._pool_pages()
         self.pool = self._make_pool(num_pages)
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
         self._lora_slots = opts.adapter_slots if opts.adapter_memory == "padded_slots" else None
@@ -353,6 +353,22 @@ class Engine:
             raise ValueError(f"adapter_memory={o.adapter_memory!r}: {what} leave no KV page in a pool of "
                              f"{num_pages - 1} usable pages")
         return RegionPool(num_pages, region, slot_pages=slot)
+
+    def _pool_pages(self) -> int:
+        """opts.pool_pages, or the memory budget's pages, capped at paged.max_pool_pages (int32
+        element offsets in the kernels); an explicit size past the cap is refused where the GPU
+        kernels would run on it."""
+        o = self.opts
+        cap = paged.max_pool_pages(self.cfg, self.ps, o.tensor_parallel)
+        if o.pool_pages is None:
+            return min(self._pages_from_budget(), cap)
+        kernels = jax.default_backend() == "gpu" and \
+            {o.attention_backend, o.lora_backend, o.prefill_lora_backend} != {"xla"}
+        if o.pool_pages > cap and kernels:
+            raise ValueError(f"pool_pages={o.pool_pages}: a layer of the pool would hold past 2**31 elements, "
+                             f"which the GPU kernels address in int32; use at most {cap} pages, or the xla "
+                             "backends")
+        return o.pool_pages
 
     def _pages_from_budget(self) -> int:
         stats = jax.devices()[0].memory_stats() or {}

@@ -112,6 +112,15 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
     return cfg.num_hidden_layers * 2 * page_size * cfg.kv_size * jnp.dtype(dtype).itemsize
 
 
+def max_pool_pages(cfg: ModelConfig, page_size: int, tensor_parallel: int = 1) -> int:
+    """The most pages a pool layer holds with its elements on one device below 2**31: the Triton
+    kernels (paged attention, the LoRA pairs) compute element offsets into a layer in int32. A
+    tiny model on an H200 would otherwise size a pool of ~12e9 elements a layer from the free
+    memory (session 26's GPU parity run)."""
+    per_page = 2 * page_size * cfg.kv_size // tensor_parallel
+    return (2**31 - 1) // per_page
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def write_rows(pool: list[jax.Array], rows: jax.Array, data: jax.Array) -> list[jax.Array]:
     """Scatter an adapter's packed rows data [L, n, W] into every layer at row indices [n]."""

@@ -1495,3 +1495,37 @@ def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch, per_slot):
         prompts, [sp] * 4, [0] * 4, [loaded[n] if n else None for n in names], cfg.eos_token_ids)
     assert_same(outs, want, lengths=[3] * 4)
     assert ran.count("shrink") >= 2 and ran.count("expand") >= 4, ran  # q/k/v + o, 4 expands (per trace)
+
+
+@pytest.mark.parametrize("page_size,tp", [(1, 1), (16, 1), (16, 2)])
+def test_max_pool_pages_keeps_a_layer_in_int32_offsets(page_size, tp):
+    """The cap is the most pages whose layer (as empty_pool shapes it, 1/tp of it a device) stays
+    below 2**31 elements, the int32 offsets of the Triton kernels."""
+    pages = paged.max_pool_pages(CFG, page_size, tp)
+    per_page = 2 * page_size * CFG.kv_size // tp   # empty_pool's (num_pages, 2, page_size, kv_size)
+    assert pages * per_page < 2**31 <= (pages + 1) * per_page
+
+
+def test_pool_sized_from_memory_is_capped_and_an_explicit_oversize_refused_on_gpu(paths, monkeypatch):
+    """A pool sized from free memory stops at paged.max_pool_pages (a tiny model on an H200 sized
+    ~12e9 elements a layer and the kernels refused it); pool_pages past the cap is refused where
+    the GPU kernels would address it, and kept on the xla backends."""
+    from types import SimpleNamespace
+
+    from slora_jax.engine import Engine, EngineOptions
+    monkeypatch.setattr(paged, "max_pool_pages", lambda cfg, ps, tp=1: 40)
+    monkeypatch.setattr(Engine, "_pages_from_budget", lambda self: 10**6)
+    engine = make_llm(paths, ("a",), page_size=16).engine
+    assert engine.num_pages == 40 and len(engine.kv) == CFG.num_hidden_layers and engine.kv[0].shape[0] == 40
+
+    def sized(**options):
+        stub = SimpleNamespace(opts=EngineOptions(page_size=16, **options), cfg=CFG, ps=16,
+                               _pages_from_budget=lambda: 10**6)
+        return Engine._pool_pages(stub)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert sized() == 40 and sized(pool_pages=40) == 40
+    with pytest.raises(ValueError, match="at most 40 pages"):
+        sized(pool_pages=41, attention_backend="pallas", lora_backend="xla", prefill_lora_backend="xla")
+    assert sized(pool_pages=41, attention_backend="xla", lora_backend="xla", prefill_lora_backend="xla") == 41
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")   # interpret mode: no int32 limit
+    assert sized(pool_pages=41, attention_backend="pallas") == 41
