@@ -12,6 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 RANKS = (4, 8, 16, 32)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{len({a for a in chosen if a})} used, {sum(a is None for a in chosen)} base-model requests")
     print(f"  requests         {len(outs)} in one mixed batch, {n_tok} tokens generated")
     print(f"  time             load {t_load:.1f} s, generate {t_gen:.1f} s "
-          f"(includes XLA compiles on first run; CPU)")
+          f"(includes XLA compiles on first run; {jax.default_backend().upper()})")
     print(f"  pool             {stats['total_pages']} pages of {stats['page_size']} tokens, "
           f"{stats['evictions']} adapter evictions, {stats['preempted']} preemptions, "
           f"{stats['steps']} steps")
