@@ -180,8 +180,11 @@ BLOCKS = {
     # the dot form's loads are two dependent trips: Triton converts the first operand's tile into
     # shared memory (behind a barrier) before it issues the second operand's loads; the gemv form
     # has no conversion between them.
+    # Off: on the H200 (session 26, bench/results/20261202-04d6171/) the pair took 20.4-20.8 us at
+    # qkvo 64 x 32 against lora.py's 18.6 (shrink 8.1-8.6 against 10.2, expand 12.2 against 8.4),
+    # the one launch 20.0-24.0, and 51.1 against 28.8 at 256 x 32.
     # Defaults from the compiled kernels' registers (sm_90, bench/kernel_sass.py --kernels onetrip,
-    # 64 tokens x 32 adapters; untimed): the shrink at k_tile 128 in 2 warps takes 64 registers, so
+    # 64 tokens x 32 adapters): the shrink at k_tile 128 in 2 warps takes 64 registers, so
     # an SM holds 16 programs and the point's 2048 units (64 items x 32 splits) run in one wave of
     # 2048 programs (k_tile 256 in 4 warps: 72 registers, 7 programs an SM, 1024 units in 1.1
     # waves); the expand at 128 columns in 4 warps takes 72 (7 an SM).
