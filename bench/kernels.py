@@ -867,7 +867,7 @@ def main() -> None:
                     print(f"lora {m:<8} T={t:<4} n={n:<3} " +
                           " ".join(f"{LABELS[k]} {_cell(v[k]).strip()}" for k in VARIANTS[:4]) +
                           f" ({time.perf_counter() - t0:.1f} s)", flush=True)
-                    if (v["pallas"] or {}).get("device"):
+                    if any((v[k] or {}).get("device") for k in VARIANTS):  # pallas itself may be left out
                         copy = (c.get("same_bytes_copy") or {}).get("device") or {}
                         print("     device time a call: " + ", ".join(
                             f"{name} {d['busy_us']:.1f} us busy ({d['kernels']:.1f} kernels, "

@@ -666,6 +666,22 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert "qkvo" in d["targets"][0]["device"] and d["targets"][0]["measure"] == "device"
 
 
+def test_kernels_py_prints_device_time_without_the_pallas_variant(tmp_path):
+    """A run of other variants alone (the onetrip sweep's ticket run) still prints their device
+    time: session 26's printed none, the figures only in its JSON."""
+    out = tmp_path / "k.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick", "--skip", "attention",
+                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--lora-variants", "onetrip",
+                        "--device-time", "--out", str(out)],
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    (case,) = json.loads(out.read_text())["lora"]
+    assert case["variants"]["pallas"] is None and case["variants"]["onetrip"]["ok"]
+    busy = case["variants"]["onetrip"]["device"]["busy_us"]
+    line = next(ln for ln in p.stdout.splitlines() if "device time a call:" in ln)
+    assert f"onetrip {busy:.1f} us busy" in line, line
+
+
 def test_kernels_py_quick_bf16_y(tmp_path):
     """bench/kernels.py --y-dtype bfloat16 (the engine's form: the expand adds into a bf16 y):
     every variant's bf16 output checked against the reference's, y's bytes at 2 a value."""
