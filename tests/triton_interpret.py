@@ -82,6 +82,36 @@ def _fix_bf16_cast() -> None:
     builder.cast_impl = cast_impl
 
 
+def _fix_bf16_atomic_add() -> None:
+    """Triton 3.6's interpreter has no bfloat16 atomics ("Unsupported data type"); the GPU adds
+    bfloat16 in place (sm_90's REDG.ADD.BF16x8, rounding to nearest even). The interpreter runs one
+    program at a time, so a plain read, add in float32, round and write per element is the same."""
+    import ctypes
+
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_atomic_rmw
+
+    def create_atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
+        if val.dtype.scalar != tl.bfloat16 or rmwOp != ir.ATOMIC_OP.FADD:
+            return original(self, rmwOp, ptr, val, mask, sem, scope)
+        addrs = np.broadcast_to(ptr.data, val.data.shape).reshape(-1)
+        vals = np.ascontiguousarray(val.data).reshape(-1)
+        live = np.broadcast_to(mask.data, val.data.shape).reshape(-1)
+        old = np.zeros(len(addrs), np.uint16)
+        for i in np.flatnonzero(live):
+            cell = ctypes.c_uint16.from_address(int(addrs[i]))
+            old[i] = cell.value
+            total = np.array([old[i], vals[i]], np.uint32) << 16
+            f = np.float32(total[0:1].view(np.float32)[0] + total[1:2].view(np.float32)[0])
+            bits = int(np.array([f], np.float32).view(np.uint32)[0])
+            cell.value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        return interpreter.TensorHandle(old.reshape(val.data.shape), tl.bfloat16)
+    builder.create_atomic_rmw = create_atomic_rmw
+
+
 def to_torch(key: str, a: np.ndarray) -> torch.Tensor:
     if key.endswith("@bf16"):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
@@ -98,6 +128,7 @@ def main(jobs_path: str, arrays_path: str, out_path: str) -> None:
     _fix_scalar_index()
     _fix_bf16_dot()
     _fix_bf16_cast()
+    _fix_bf16_atomic_add()
     jobs = json.loads(Path(jobs_path).read_text())
     with np.load(arrays_path) as z:
         arrays = {k: z[k] for k in z.files}

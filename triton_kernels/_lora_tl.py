@@ -217,3 +217,60 @@ def lora_coop_kernel(table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_p
             tl.store(y_ptr + tile, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=t_live[:, None])
         if TIMING:
             tl.store(times_ptr + p * 8 + 5, _now())
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank-split decode kernel (triton_kernels/ranksplit.py): a program per (token group of one slot,
+# RC rank rows of its adapter) computes its rows' share of the shrink over all of `in` and their
+# share of the expand over all of `out`, and adds it into y with fire-and-forget vector atomics.
+# No program waits on another.
+
+
+@triton.jit
+def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
+               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
+    """[RC, MP, C]: rank rows j's matrix rows (F elements each: M chunks of C, padded to MP) from the
+    pool; rid [U, MP, RC] holds unit u's pool row of each chunk. Rows not live and chunks past M
+    read nothing (0)."""
+    m = tl.arange(0, MP)
+    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + tl.arange(0, RC)[:, None])   # [RC, MP]
+    off = rid.to(tl.int64) * W + (j[:, None] * F + m[None, :] * C) % W
+    off = tl.multiple_of(off, [C, C])  # chunks start C-aligned: 16-byte loads
+    mask = live[:, None, None] & (m < M)[None, :, None]
+    return tl.load(rows_ptr + off[:, :, None] + tl.arange(0, C)[None, None, :], mask=mask, other=0)
+
+
+@triton.jit
+def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, _y_in_ptr, y_ptr,
+                          RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
+                          W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
+                          CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr):
+    """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
+    J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
+    rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Every load
+    a unit needs is issued before its first product (one trip after its table entry); xa stays in
+    registers, rounded to the pool's dtype as the two-kernel pair stores it."""
+    p = tl.program_id(0)
+    total = tl.load(total_ptr)
+    for u in range(p, total, N_PROGRAMS):
+        rec = meta_ptr + u * 4
+        t0 = tl.load(rec)
+        t1 = tl.load(rec + 1)
+        n = tl.load(rec + 2)
+        j = tl.load(rec + 3) + tl.arange(0, RC)
+        live = tl.arange(0, RC) < n
+        a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
+        b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
+        ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
+        xk = ma * CA + tl.arange(0, CA)[None, :]
+        yk = mb * CB + tl.arange(0, CB)[None, :]
+        for t_first in range(t0, t1, BLOCK_T):
+            for k in tl.static_range(BLOCK_T):
+                t = t_first + k
+                t_live = t < t1
+                xt = tl.load(x_ptr + t * FIN + xk, mask=t_live & (ma < MA), other=0)   # [MAP, CA]
+                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :].to(tl.float32), axis=2), axis=1)  # [RC]
+                xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
+                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
+                tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
+                              sem="relaxed")

@@ -1,0 +1,238 @@
+"""The rank-split decode kernel (triton_kernels/ranksplit.py) against the jnp references.
+
+The cases are tests/test_lora_kernels.py's: ranks {1, 8, 16, 64, 128} in one batch, odd segment
+lengths, slots with no tokens, one slot taking the whole batch, base-token tails, each adapter's
+rows scattered at random pool rows among garbage of magnitude ~1e3, W not dividing `in` (A^T rows
+starting mid pool row), rows of a non-power-of-two count of chunks. Each runs at the defaults and
+at a setting where programs walk several units, units hold fewer rank rows and several token
+steps (`SMALL`).
+
+TestInterpreter runs the @triton.jit body under Triton's interpreter on the CPU, in one subprocess
+of a Python with triton and torch (tests/triton_interpret.py; skips without one). test_compiles_for_h200
+compiles it for sm_90 down to a cubin on the CPU. TestRanksplitGPU runs the jax-triton wrapper
+compiled, and skips unless JAX's default backend is a GPU and jax_triton imports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import lora as ref
+from test_lora_kernels import CASES, DTYPES, MAX_RANK, TOKENS, make_inputs, owner_rank, rel_err, seed_of
+from test_triton_kernels import HELPER, _TRITON_TYPE, _clean_env, _job, interpreter_python
+from triton_kernels import lora as tk
+from triton_kernels import ranksplit as rs
+
+# bf16: y rounds once per unit that adds into it (up to 16 at rank 128 over 8 rank rows a unit),
+# where the references round once, as the split-K and coop kernels' partial sums do (2e-2 there too)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+DTYPE_ID = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
+DEFAULT = dict(rs.BLOCKS["ranksplit"])
+# several units a program, 4 rank rows a unit, 2 steps of 2 tokens a unit
+SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
+SETTINGS = {"default": DEFAULT, "small": SMALL}
+PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr")
+
+
+def inputs(name, dtype):
+    """(case, (y, x, rows, a_rows, b_rows, ranks, seg_starts), seg, ranks)."""
+    case = CASES[name]
+    arr, *_, seg, ranks = make_inputs(case, dtype, seed_of("ranksplit", name, dtype))
+    y = jnp.asarray(np.random.default_rng(seed_of("ranksplit-y", name)).normal(size=(TOKENS, case.fout)), dtype)
+    return case, (y, arr["x"], arr["rows"], arr["a_rows"], arr["b_rows"], arr["ranks"], arr["seg_starts"]), seg, ranks
+
+
+def want_of(case, args):
+    y, x, rows, a_rows, b_rows, ranks, seg = args
+    xa = ref.lora_shrink_reference(x, rows, a_rows, ranks, seg, max_rank=MAX_RANK, in_features=case.fin)
+    return ref.lora_expand_reference(y, xa, rows, b_rows, ranks, seg, max_rank=MAX_RANK, out_features=case.fout)
+
+
+def table_of(case, args, settings):
+    y, x, rows, a_rows, b_rows, ranks, seg = args
+    return rs.plan(ranks, a_rows, b_rows, seg, TOKENS, fin=case.fin, fout=case.fout, width=case.width,
+                   max_rank=MAX_RANK, settings=settings)
+
+
+def check(got, case, args, seg, ranks, dtype, tol=None):
+    y = args[0]
+    want = want_of(case, args)
+    assert got.shape == y.shape and got.dtype == y.dtype
+    assert rel_err(got, want) < (tol or TOL[dtype]), rel_err(got, want)
+    untouched = owner_rank(seg, ranks) == 0  # base tokens and tokens of rank-0 slots: y exactly
+    np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(y)[untouched])
+    if (~untouched).any():  # a delta was added where one belongs
+        assert rel_err(np.asarray(got)[~untouched], np.asarray(y)[~untouched]) > 0.05
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_covers_every_rank_row_once(name, setting):
+    """Each (token, rank row) of a live slot is in exactly one unit, every pool row named is the
+    slot's own, and the table's tail past the live units is zeros."""
+    s = SETTINGS[setting]
+    case, args, seg, ranks = inputs(name, jnp.float32)
+    total, meta, arid, brid = table_of(case, args, s)
+    a_rows, b_rows = np.asarray(args[3]), np.asarray(args[4])
+    u = int(total[0])
+    assert meta.shape[0] == rs.bound_units(TOKENS, len(ranks), MAX_RANK, s) >= u
+    assert not meta[u:].any() and not arid[u:].any() and not brid[u:].any()
+    seen = np.zeros((TOKENS, MAX_RANK), int)
+    slot_of = np.searchsorted(seg, np.arange(TOKENS), side="right") - 1
+    _, _, mpa = rs._chunk(case.width, case.fin)
+    for t0, t1, n, j0 in meta[:u]:
+        assert 0 < n <= s["rank_rows"] and 0 < t1 - t0 <= s["group_t"]
+        slot = slot_of[t0]
+        assert (slot_of[t0:t1] == slot).all() and j0 + n <= ranks[slot]
+        seen[t0:t1, j0:j0 + n] += 1
+    want = np.arange(MAX_RANK)[None, :] < owner_rank(seg, ranks)[:, None]
+    np.testing.assert_array_equal(seen, want.astype(int))
+    for k, (t0, _, n, j0) in enumerate(meta[:u]):  # A^T row j0's first chunk: the slot's row
+        flat = j0 * case.fin
+        assert arid[k, 0, 0] == a_rows[slot_of[t0], flat // case.width]
+        assert brid[k, 0, 0] == b_rows[slot_of[t0], j0 * case.fout // case.width]
+    assert arid.shape[1] == mpa
+
+
+def test_applies():
+    assert rs.applies(4096, 4096, 4096, jnp.bfloat16) and rs.applies(4096, 4096, 1024, jnp.float32)
+    assert rs.applies(4096, 11008, 4096)            # 43 chunks of 256, a tile of 64
+    assert not rs.applies(4096, 4096, 4096, jnp.float16)
+    assert not rs.applies(24, 4096, 4096)           # chunks of 8 elements
+    assert rs._chunk(48, 160) == (16, 10, 16)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """Every launch below, run in one subprocess of Triton's interpreter: {job name: y}."""
+    py = interpreter_python()
+    if py is None:
+        pytest.skip("no Python with triton and torch (set SLORA_TRITON_PYTHON)")
+    jobs, arrays = [], {}
+    for setting, s in SETTINGS.items():
+        for name in CASES:
+            for dtype in (jnp.float32, jnp.bfloat16):
+                case, args, *_ = inputs(name, dtype)
+                launch = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin,
+                                        fout=case.fout, settings=s)
+                jobs.append(_job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays))
+    work = tmp_path_factory.mktemp("ranksplit_interpret")
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    np.savez(work / "arrays.npz", **arrays)
+    cmd = [py, str(HELPER), str(work / "jobs.json"), str(work / "arrays.npz"), str(work / "out.npz")]
+    p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        pytest.fail(f"the Triton interpreter failed: {' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}",
+                    pytrace=False)
+    out = {}
+    with np.load(work / "out.npz") as z:
+        for k in z.files:
+            v = z[k]
+            out[k.removesuffix("@bf16")] = jnp.asarray(v.view(jnp.bfloat16) if k.endswith("@bf16") else v)
+    return out
+
+
+class TestInterpreter:
+    @pytest.mark.parametrize("setting", list(SETTINGS))
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_matches_reference(self, interpreted, name, dtype, setting):
+        case, args, seg, ranks = inputs(name, dtype)
+        check(interpreted[f"{setting}-{name}-{DTYPE_ID[dtype]}"], case, args, seg, ranks, dtype)
+
+
+def test_compiles_for_h200(tmp_path):
+    """The kernel for sm_90 down to a cubin on the CPU (tests/triton_compile.py): issue 4's shape
+    (4096 -> 4096, W 4096), GQA's k/v (4096 -> 1024), llama-7b's MLP (11008: 43 chunks a row),
+    y bf16 and float32, at the defaults and at SMALL."""
+    py = interpreter_python()
+    if py is None:
+        pytest.skip("no Python with triton and torch (set SLORA_TRITON_PYTHON)")
+    jobs = []
+    for fin, fout in ((4096, 4096), (4096, 1024), (4096, 11008), (11008, 4096)):
+        for ydt in (jnp.bfloat16, jnp.float32):
+            for s in (DEFAULT, SMALL):
+                t, sa = 64, 32
+                ranks = np.array([(8, 16, 32, 64)[k % 4] for k in range(sa)], np.int32)
+                seg = np.arange(sa + 1, dtype=np.int32) * (t // sa)
+                a_rows = np.zeros((sa, -(-64 * fin // 4096)), np.int32)
+                b_rows = np.zeros((sa, -(-64 * fout // 4096)), np.int32)
+                table = rs.plan(ranks, a_rows, b_rows, seg, t, fin=fin, fout=fout, width=4096, max_rank=64, settings=s)
+                arrays, const, _, options = rs.launch_args(jnp.zeros((t, fout), ydt), jnp.zeros((t, fin), jnp.bfloat16),
+                                                           jnp.zeros((8, 4096), jnp.bfloat16), table, fin=fin,
+                                                           fout=fout, settings=s)
+                types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays] + [_TRITON_TYPE[jnp.dtype(ydt)]]
+                jobs.append(dict(kernel="lora_ranksplit_kernel", const=const, options=options,
+                                 dtypes=dict(zip(PTR_ARGS_RS, types))))
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    p = subprocess.run([py, str(HELPER.parent / "triton_compile.py"), str(tmp_path / "jobs.json")],
+                       env=_clean_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert p.stdout.count("cubin") == len(jobs), p.stdout
+
+
+def test_refuses_interpret_and_other_shapes():
+    case, args, *_ = inputs("decode", jnp.float32)
+    table = table_of(case, args, DEFAULT)
+    with pytest.raises(ValueError, match="compiled only"):
+        rs.ranksplit_apply(args[0], args[1], args[2], table, fin=case.fin, fout=case.fout, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):
+        rs.ranksplit_apply(args[0].astype(jnp.float16), args[1], args[2], table, fin=case.fin, fout=case.fout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(tk.unavailable_reason() is not None, reason=str(tk.unavailable_reason()))
+class TestRanksplitGPU:
+    TOL = {jnp.float32: 1e-2, jnp.bfloat16: 2e-2}  # float32: TF32-free, but the GPU's sum order differs
+
+    @pytest.fixture(autouse=True)
+    def _restore(self):
+        yield
+        rs.BLOCKS["ranksplit"] = dict(DEFAULT)
+
+    @pytest.mark.parametrize("setting", list(SETTINGS))
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_matches_reference(self, name, dtype, setting):
+        rs.BLOCKS["ranksplit"] = dict(SETTINGS[setting])
+        case, args, seg, ranks = inputs(name, dtype)
+        got = rs.ranksplit_apply(args[0], args[1], args[2], table_of(case, args, SETTINGS[setting]),
+                                 fin=case.fin, fout=case.fout)
+        check(got, case, args, seg, ranks, dtype, self.TOL[dtype])
+
+    def test_llama_shape_repeated(self):
+        """Issue 4's shape (4096 -> 4096, 64 tokens over 32 adapters of ranks 8-64, W 4096), twenty
+        calls in a row under jit: a float64 product of the un-paged matrices."""
+        rng = np.random.default_rng(11)
+        t, n, fin = 64, 32, 4096
+        ranks = np.array([(8, 16, 32, 64)[s % 4] for s in range(n)], np.int32)
+        seg = np.arange(n + 1, dtype=np.int32) * (t // n)
+        mats = [m for r in ranks for m in (rng.normal(size=(r, fin)) / 64, rng.normal(size=(r, fin)) / 8)]
+        place = rng.permutation(sum(len(m) for m in mats))
+        pool = np.zeros((len(place), fin))
+        pool[place] = np.concatenate(mats)
+        a_idx, b_idx, nxt = np.zeros((n, 64), np.int32), np.zeros((n, 64), np.int32), 0
+        for s in range(n):
+            for idx in (a_idx, b_idx):
+                idx[s, :ranks[s]] = place[nxt:nxt + ranks[s]]
+                nxt += ranks[s]
+        pool = jnp.asarray(pool, jnp.bfloat16)
+        x = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+        y = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+        xf = np.asarray(x, np.float64)
+        want = np.asarray(y, np.float64).copy()
+        for s in range(n):
+            tok = slice(seg[s], seg[s + 1])
+            want[tok] += xf[tok] @ np.asarray(pool[a_idx[s, :ranks[s]]], np.float64).T @ \
+                np.asarray(pool[b_idx[s, :ranks[s]]], np.float64)
+        table = tuple(map(jnp.asarray, rs.plan(ranks, a_idx, b_idx, seg, t, fin=fin, fout=fin, width=fin, max_rank=64)))
+        f = jax.jit(lambda y, x: rs.ranksplit_apply(y, x, pool, table, fin=fin, fout=fin))
+        for _ in range(20):
+            got = f(y, x)
+        assert rel_err(got, jnp.asarray(want, jnp.float32)) < 2e-2, rel_err(got, jnp.asarray(want, jnp.float32))

@@ -1,0 +1,183 @@
+"""A decode step's LoRA shrink and expand in one launch with no program waiting on another (issue 4).
+
+Why. In a decode step an adapter holds a token or two, so its LoRA work is a few hundred KB of A^T
+and B rows and almost no arithmetic: the time is memory trips and launches. Two launches (shrink,
+then expand) cannot go below ~9 µs at issue 4's point (64 tokens x 32 adapters, llama-7b q/k/v/o;
+bench/read_floor.py), and the one-launch forms tried before (session 20's cooperative kernel,
+pallas_kernels/onetrip.py's onetrip_apply) make expand programs wait for the shrink's partial sums,
+which costs two chains of dependent trips (bench/NOTES.md, sessions 20 and 26).
+
+How. Split the work by rank rows instead of by columns. (x @ A) @ B = sum over rank rows j of
+(x . A[:, j]) B[j, :], so a program that owns RC rank rows of one adapter computes their part of xa
+over all of `in` and their part of the delta over all of `out` by itself, and adds that part into
+y with vector atomic adds (sm_90's REDG.ADD.BF16x8 / F32x4: fire and forget, no fence, no return).
+Each A^T row and B row is read once a step, by one program, in the same trip as x; nothing is
+published, counted or polled. The cost moved into the atomics: each of an adapter's ceil(r / RC)
+programs adds a [tokens, out] part into y (at RC 8 and two tokens an adapter: 16 KB of bf16 adds
+for 128 KB of rows read).
+
+Units. The host builds the table with the step's inputs (`plan`): a unit is (up to group_t tokens of
+one slot, RC rank rows of its adapter), with its tokens, its count of live rows, its first rank row
+and the pool rows of its A^T rows and B rows. Programs walk units p, p + P, ... below the live total
+(P <= max_programs, about one program an SM at the defaults: a program of 16 warps holds its 8 rank
+rows' 128 KB of A^T and B in registers). A unit loops over its tokens block_t at a time with its
+rows held, so an adapter's rows are read once for up to group_t tokens of its slot; base tokens and
+empty slots have no units; padding is bounded by one unit's RC rows (rows past the rank are masked:
+no traffic, no products that count).
+
+Precision: products and sums in float32; xa is rounded to the pool's dtype before the expand, as the
+two-kernel pair stores it. The atomic adds make y's last bits depend on the order the programs of
+one adapter finish in (as every split-K kernel's do); in float32 that is ~1e-7 relative.
+
+Where: any module whose A^T and B rows fall in chunks of C >= 16 elements that never straddle a
+pool row (C the largest power of two dividing both the pool width W and the row's length; a row of
+M chunks is a tile of M rounded up to a power of two, the rest masked): q, k, v and o of llama-family
+models at any GQA ratio hold whole chunks of C = W. y must be float32, or bfloat16 on sm_90 (the
+bf16 vector atomics). Reference: lora.py's lora_shrink_reference then lora_expand_reference on the
+same slots (tests/test_ranksplit.py: under Triton's interpreter on the CPU, and compiled on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.lora import _merge_blocks
+
+BLOCKS = {
+    # rank_rows: RC, the rank rows of one adapter a program owns (a power of two); num_warps: its
+    # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8); block_t: tokens
+    # a step of its token loop; group_t: most tokens of one slot a unit takes (a multiple of
+    # block_t); max_programs: programs a launch at most (132: the H200's SMs).
+    "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132),
+}
+
+
+def set_blocks(over: str | dict | None = None) -> dict:
+    """Merge a setting (JSON text or dict, e.g. {"ranksplit": {"rank_rows": 4}}) into BLOCKS."""
+    if over:
+        _merge_blocks(over, "ranksplit.set_blocks", BLOCKS)
+    return BLOCKS
+
+
+def _chunk(width: int, features: int) -> tuple[int, int, int]:
+    """(C, M, MP): a matrix row of `features` elements as M chunks of C, C the largest power of two
+    dividing W and features; MP: M rounded up to a power of two (the kernel's tile; chunks past M
+    are masked). (0, 0, 0) where C < 16 (Triton's 16-byte loads want whole 8-element vectors)."""
+    c = min(width & -width, features & -features)
+    if c < 16:
+        return 0, 0, 0
+    m = features // c
+    return c, m, 1 << (m - 1).bit_length()
+
+
+def applies(width: int, fin: int, fout: int, y_dtype=None) -> bool:
+    """Whether the kernel takes this module: both matrices in chunks of at least 16 elements that
+    never straddle pool rows, and a y dtype the vector atomics add (float32; bfloat16 on sm_90)."""
+    if not (_chunk(width, fin)[0] and _chunk(width, fout)[0]):
+        return False
+    return y_dtype is None or jnp.dtype(y_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def bound_units(t: int, slots: int, max_rank: int, settings=None) -> int:
+    """Most units any step of t tokens over `slots` slots can need: its token groups (sum of
+    ceil(len / group_t)) times ceil(max_rank / RC)."""
+    s = settings or BLOCKS["ranksplit"]
+    g = s["group_t"]
+    return max(1, (t + slots * (g - 1)) // g) * -(-max_rank // s["rank_rows"])
+
+
+def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, width: int, max_rank: int,
+         settings=None):
+    """The launch's table, on the host (numpy): (total [1], meta [U, 4], arid [U, MA, RC], brid
+    [U, MB, RC]) int32, U = bound_units. Unit u has meta (first token, end token, live rank rows,
+    first rank row j0) and arid[u, m, k] the pool row holding the m-th chunk of A^T row j0 + k (brid:
+    of B row j0 + k); entries past the live rows are 0 and never read. ranks [Sa], a_rows / b_rows
+    [Sa, RA] / [Sa, RB] the slots' pool row indices (lora.py's layout), seg_starts [Sa + 1]."""
+    s = settings or BLOCKS["ranksplit"]
+    rc, g = s["rank_rows"], s["group_t"]
+    if g % s["block_t"]:
+        raise ValueError(f'BLOCKS["ranksplit"]: group_t {g} is not a multiple of block_t {s["block_t"]}')
+    ca, _, ma = _chunk(width, fin)
+    cb, _, mb = _chunk(width, fout)
+    ranks = np.minimum(np.asarray(ranks, np.int64), max_rank)
+    a_rows, b_rows = np.asarray(a_rows, np.int64), np.asarray(b_rows, np.int64)
+    seg = np.asarray(seg_starts, np.int64)
+    lens = np.maximum(np.diff(seg), 0)
+    groups = np.where(ranks > 0, -(-lens // g), 0)                 # token groups of each slot
+    tiles = -(-ranks // rc)                                         # rank-row units of each group
+    per_slot = groups * tiles
+    slot = np.repeat(np.arange(len(ranks)), per_slot)
+    k = np.arange(len(slot)) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)   # unit within its slot
+    grp, tile = k // np.maximum(tiles[slot], 1), k % np.maximum(tiles[slot], 1)
+    t0 = seg[slot] + grp * g
+    t1 = np.minimum(t0 + g, seg[slot + 1])
+    j0 = tile * rc
+    n = np.minimum(ranks[slot] - j0, rc)
+    bound = bound_units(t, len(ranks), max_rank, s)
+    u = len(slot)
+    assert u <= bound, (u, bound)
+
+    def rids(rows, feat, c, m):
+        j = j0[:, None, None] + np.arange(rc)[None, None, :]                 # [U, 1, RC]
+        flat = j * feat + (np.arange(m) * c)[None, :, None]                  # [U, MP, RC]
+        col = np.minimum(flat // width, rows.shape[1] - 1)
+        live = (np.arange(rc)[None, None, :] < n[:, None, None]) & (np.arange(m) * c < feat)[None, :, None]
+        out = np.zeros((bound, m, rc), np.int32)
+        out[:u] = np.where(live, rows[slot[:, None, None], col], 0)
+        return out
+
+    meta = np.zeros((bound, 4), np.int32)
+    meta[:u] = np.stack([t0, t1, n, j0], axis=1)
+    return np.array([u], np.int32), meta, rids(a_rows, fin, ca, ma), rids(b_rows, fout, cb, mb)
+
+
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None):
+    """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
+    which the output aliases. table: plan's four arrays."""
+    s = settings or BLOCKS["ranksplit"]
+    width = rows.shape[1]
+    total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
+    ca, ma, map_ = _chunk(width, fin)
+    cb, mb, mbp = _chunk(width, fout)
+    if arid.shape[1:] != (map_, s["rank_rows"]) or brid.shape[1:] != (mbp, s["rank_rows"]):
+        raise ValueError(f"ranksplit table shapes {arid.shape}, {brid.shape} are not plan's for in {fin}, "
+                         f"out {fout}, width {width}, rank_rows {s['rank_rows']}")
+    n_programs = max(1, min(meta.shape[0], s["max_programs"]))
+    x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
+    arrays = (total, meta, arid, brid, x, rows, y)
+    const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs)
+    return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
+
+
+def _frozen() -> tuple:
+    return tuple(sorted(BLOCKS["ranksplit"].items()))
+
+
+@functools.partial(jax.jit, static_argnames=("fin", "fout", "settings"))
+def _apply(y, x, rows, table, *, fin, fout, settings):
+    import jax_triton
+    from triton_kernels import _lora_tl
+
+    arrays, const, grid, opts = launch_args(y, x, rows, table, fin=fin, fout=fout, settings=dict(settings))
+    return jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_ranksplit_kernel,
+                                  out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype), grid=grid,
+                                  name="lora_ranksplit_triton", input_output_aliases={len(arrays) - 1: 0},
+                                  **opts, **const)
+
+
+def ranksplit_apply(y, x, rows, table, *, fin: int, fout: int, interpret=None):
+    """y + (x @ A_s) @ B_s for the tokens of every slot s in `table` (plan's), base tokens unchanged,
+    in y's dtype: one launch. Compiled on a GPU only (Triton's interpreter runs the kernel body on
+    torch tensors in tests/test_triton_kernels.py)."""
+    if interpret:
+        raise ValueError("triton_kernels run compiled only; Triton's interpreter runs the kernel "
+                         "bodies on torch tensors (tests/test_triton_kernels.py)")
+    if not applies(rows.shape[1], fin, fout, y.dtype):
+        raise ValueError(f"ranksplit does not apply to in {fin}, out {fout}, pool width {rows.shape[1]}, "
+                         f"y {y.dtype} (see ranksplit.applies)")
+    return _apply(y, x, rows, tuple(table), fin=fin, fout=fout, settings=_frozen())
