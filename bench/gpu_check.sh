@@ -4,13 +4,14 @@
 # weights. Full logs and JSON go under $OUT; the console gets the short version. Each part runs
 # under its own time limit (T_TESTS, T_KERNELS, T_BENCH seconds), so one slow part cannot take
 # the others' results with it.
-#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|onetrip|onetrip_profile|onetrip_sweep|dispatch|ncu|ncustep|all|comma list] [extra engine_bench.py args]
+#   bash bench/gpu_check.sh [tests|kernels|bench|profile|compile|sweep|mgpu|onetrip|onetrip_profile|onetrip_sweep|ranksplit|dispatch|ncu|ncustep|all|comma list] [extra engine_bench.py args]
 # (profile: bench/profile_step.py, a device trace of decode steps summed by kernel; compile:
 # bench/warmup_time.py, the start-up compile cost per layer and whole; sweep: LoRA kernel block
 # settings through bench/kernels.py --lora-blocks; mgpu: the Mosaic GPU decode pair's tests, issue 4's
 # point and the S2 decode profile with it; onetrip: the one-trip decode pair's tests, issue 4's point
 # and its neighbours; onetrip_profile: the S2 decode step with it off and on; onetrip_sweep: its
-# settings at that point; dispatch: bench/graph_dispatch.py under CUDA-graph
+# settings at that point; ranksplit: the rank-split decode kernel's tests, issue 4's point and
+# its settings; dispatch: bench/graph_dispatch.py under CUDA-graph
 # concurrency; ncu: the LoRA pair's hardware counters (bench/ncu_lora.py under Nsight Compute);
 # ncustep: the same for the LoRA kernels of a llama-7b decode step (profile_step.py); none of these
 # is in "all")
@@ -87,7 +88,7 @@ if has sweep; then
   : > "$OUT/sweep.jsonl"
   for cfg in $(for _ in $(seq "${SWEEP_REPEATS:-1}"); do echo $sweep_blocks; done); do
     timeout "${T_SWEEP:-90}" python3 bench/kernels.py --skip attention --modules "${SWEEP_MODULES:-qkvo}" \
-      --tokens "${SWEEP_TOKENS:-64,256}" --adapters "${SWEEP_ADAPTERS:-32,256}" --lora-variants "${SWEEP_VARIANTS:-pallas}" --lora-blocks "$cfg" --device-time \
+      --tokens "${SWEEP_TOKENS:-64,256}" --adapters "${SWEEP_ADAPTERS:-32,256}" --lora-variants "${SWEEP_VARIANTS:-pallas}" --lora-blocks "$cfg" --device-time ${SWEEP_ARGS:-} \
       --out /tmp/sweep.json >> "$OUT/sweep.log" 2>&1
     echo "sweep $cfg rc=$?"
     [[ -f /tmp/sweep.json ]] && python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
@@ -159,6 +160,26 @@ if has onetrip; then
     --device-time --read-floor --out "$OUT/onetrip-kernels.json" > "$OUT/onetrip-kernels.log" 2>&1
   echo "onetrip kernels rc=$?"; grep -E "^lora|device time|kernels \(us|read floor|PASS|FAIL|ERROR" "$OUT/onetrip-kernels.log" | tail -30
   (cd "$OUT" && tar czf onetrip.tgz onetrip-* && rm -rf onetrip-*.log onetrip-*.json)
+fi
+if has ranksplit; then
+  # The rank-split decode kernel (triton_kernels/ranksplit.py, session 27) in one call: its compiled
+  # tests, issue 4's point and its neighbours beside lora.py's pair and the one-trip pair (bf16 y,
+  # device time, the read floor), then its settings at 64 x 32 (RS_BLOCKS). Packed into
+  # $OUT/ranksplit.tgz. (sm_90 registers from Triton 3.6 on the CPU at 4096 -> 4096: rank_rows 8 in
+  # 16 warps 128 with ~200 B of spills, 4 in 8 warps 167, 2 in 4 warps 168: one program an SM for
+  # the first two, two for the third.)
+  mkdir -p "$OUT/ranksplit"
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${T_RS_TESTS:-170}" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_ranksplit.py > "$OUT/ranksplit/pytest.log" 2>&1
+  echo "ranksplit pytest rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/ranksplit/pytest.log" | tail -8
+  timeout "${T_RS_KERNELS:-200}" python3 bench/kernels.py --skip attention --modules qkvo --tokens "${RS_TOKENS:-64,256}" \
+    --adapters "${RS_ADAPTERS:-32,256}" --lora-variants "${RS_VARIANTS:-pallas,onetrip,ranksplit}" --y-dtype bfloat16 \
+    --device-time --read-floor --out "$OUT/ranksplit/kernels.json" > "$OUT/ranksplit/kernels.log" 2>&1
+  echo "ranksplit kernels rc=$?"; grep -E "^lora|device time|kernels \(us|read floor|PASS|FAIL|ERROR|Error" "$OUT/ranksplit/kernels.log" | tail -30
+  rb=${RS_BLOCKS:-'{"ranksplit":{"rank_rows":4,"num_warps":8}} {"ranksplit":{"rank_rows":2,"num_warps":4,"max_programs":264}} {"ranksplit":{"rank_rows":4,"num_warps":8,"max_programs":264}} {"ranksplit":{"max_programs":1024}}'}
+  [[ $rb != none ]] && OUT=$OUT/ranksplit/sweep SWEEP_MODULES=qkvo SWEEP_TOKENS=64 SWEEP_ADAPTERS=32 SWEEP_VARIANTS=ranksplit \
+    SWEEP_ARGS="--y-dtype bfloat16" T_SWEEP=${T_RS_SWEEP:-50} SWEEP_BLOCKS="$rb" XLA_CACHE_SAVE=0 PACK=0 bash "$0" sweep
+  (cd "$OUT" && tar czf ranksplit.tgz ranksplit && rm -rf ranksplit)
 fi
 if has onetrip_profile; then
   # The S2 decode step (B 172 x 156 adapters, ranks 64/32/16/8) profiled with lora.py's pair, the

@@ -99,16 +99,17 @@ from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # 
                                             paged_decode_attention_reference)
 from slora_jax.paged import lora_xla  # noqa: E402
 from triton_kernels import lora as triton_lora  # noqa: E402 (imports jax-triton lazily)
+from triton_kernels import ranksplit  # noqa: E402
 
 L2_BYTES = 50 << 20          # H200 L2
 ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
 MAX_SETS = 12
 TOL = 2e-2                   # max |variant - xla reference| / max |reference|, bf16
-VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused", "coop", "onetrip", "onetrip1")
+VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused", "coop", "onetrip", "onetrip1", "ranksplit")
 LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded",
           "triton": "triton", "fused": "fused", "coop": "coop", "onetrip": "onetrip",
-          "onetrip1": "onetrip-1"}
-OURS = ("pallas", "onetrip", "onetrip1")  # the LoRA variants the bandwidth target judges (the better one)
+          "onetrip1": "onetrip-1", "ranksplit": "ranksplit"}
+OURS = ("pallas", "onetrip", "onetrip1", "ranksplit")  # the LoRA variants the bandwidth target judges (the better one)
 TARGETS = {"lora_bw": 0.60, "vs_padded": 2.0, "attn_bw": 0.70}
 
 FULL = dict(hidden=4096, width=4096, inter=11008, tokens=(64, 256), adapters=(1, 8, 32, 64),
@@ -308,6 +309,9 @@ class LoraPool:
                 out[-1]["onetrip_plans"] = (
                     dev(onetrip.shrink_plan(ranks[None], self.a_idx[m][None], seg, t, fin=self.fin, **kw)),
                     dev(onetrip.expand_plan(ranks, self.b_idx[m], seg, t, fout=self.fout, **kw)))
+            if ranksplit.applies(self.width, self.fin, self.fout):  # its table, on the host as onetrip's
+                out[-1]["ranksplit_table"] = dev(ranksplit.plan(ranks, self.a_idx[m], self.b_idx[m], seg, t, fin=self.fin,
+                                                                fout=self.fout, width=self.width, max_rank=self.max_rank))
             out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else \
                 dev(lora_kernels.block_schedule(ranks, seg, t, bt))
         return out
@@ -476,11 +480,16 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
         sp, ep = s["onetrip_plans"]
         return onetrip.onetrip_apply(jnp.zeros((t, fout), ydt), s["x"], rows, sp, ep, max_rank=rmax, interpret=interp)
 
+    def rank_split(rows, s):
+        return ranksplit.ranksplit_apply(jnp.zeros((t, fout), ydt), s["x"], rows, s["ranksplit_table"], fin=fin, fout=fout)
+
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
                 "triton": triton if opts["triton"] else None, "fused": fused,
                 "coop": coop if opts["triton"] else None,
                 "onetrip": onetrip_pair if "onetrip_plans" in sets[0] else None,
-                "onetrip1": onetrip_one if "onetrip_plans" in sets[0] else None}  # None: reported as n/a
+                "onetrip1": onetrip_one if "onetrip_plans" in sets[0] else None,  # None: reported as n/a
+                "ranksplit": rank_split if opts["triton"] and "ranksplit_table" in sets[0]
+                and ranksplit.applies(pool.width, fin, fout, ydt) else None}
     if opts.get("lora_variants"):  # a sweep times only the named ones (the reference always runs)
         variants = {k: (v if k == "xla_ref" or k in opts["lora_variants"] else None) for k, v in variants.items()}
     res = measure(variants, "xla_ref", lambda name: None if name == "padded" else pool.rows,
@@ -770,6 +779,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.lora_blocks:
         for kind, over in json.loads(args.lora_blocks).items():
+            if kind == "ranksplit":  # triton_kernels/ranksplit.py's settings
+                if not set(over) <= set(ranksplit.BLOCKS[kind]):
+                    raise SystemExit(f"--lora-blocks: unknown key in {over}; ranksplit.BLOCKS = {ranksplit.BLOCKS}")
+                ranksplit.BLOCKS[kind] = {**ranksplit.BLOCKS[kind], **over}
+                continue
             if kind not in lora_kernels.BLOCKS or not set(over) <= set(lora_kernels.BLOCKS[kind]):
                 raise SystemExit(f"--lora-blocks: unknown {kind} or key in {over}; "
                                  f"BLOCKS = {lora_kernels.BLOCKS}")
