@@ -37,7 +37,7 @@ DEFAULT = dict(rs.BLOCKS["ranksplit"])
 # several units a program, 4 rank rows a unit, 2 steps of 2 tokens a unit
 SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
 SETTINGS = {"default": DEFAULT, "small": SMALL}
-PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr")
+PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
 
 
 def inputs(name, dtype):
@@ -121,7 +121,9 @@ def interpreted(tmp_path_factory):
                 case, args, *_ = inputs(name, dtype)
                 launch = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin,
                                         fout=case.fout, settings=s)
-                jobs.append(_job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays))
+                job = _job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays)
+                job["outs"] = [["alias", len(job["arrays"]) - 1], ["new", [1], "int32", 0]]  # y; times (unused)
+                jobs.append(job)
     work = tmp_path_factory.mktemp("ranksplit_interpret")
     (work / "jobs.json").write_text(json.dumps(jobs))
     np.savez(work / "arrays.npz", **arrays)
@@ -157,7 +159,7 @@ def test_compiles_for_h200(tmp_path):
     jobs = []
     for fin, fout in ((4096, 4096), (4096, 1024), (4096, 11008), (11008, 4096)):
         for ydt in (jnp.bfloat16, jnp.float32):
-            for s in (DEFAULT, SMALL):
+            for s, timing in ((DEFAULT, False), (SMALL, False), (DEFAULT, True)):
                 t, sa = 64, 32
                 ranks = np.array([(8, 16, 32, 64)[k % 4] for k in range(sa)], np.int32)
                 seg = np.arange(sa + 1, dtype=np.int32) * (t // sa)
@@ -166,8 +168,8 @@ def test_compiles_for_h200(tmp_path):
                 table = rs.plan(ranks, a_rows, b_rows, seg, t, fin=fin, fout=fout, width=4096, max_rank=64, settings=s)
                 arrays, const, _, options = rs.launch_args(jnp.zeros((t, fout), ydt), jnp.zeros((t, fin), jnp.bfloat16),
                                                            jnp.zeros((8, 4096), jnp.bfloat16), table, fin=fin,
-                                                           fout=fout, settings=s)
-                types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays] + [_TRITON_TYPE[jnp.dtype(ydt)]]
+                                                           fout=fout, settings=s, timing=timing)
+                types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays] + [_TRITON_TYPE[jnp.dtype(ydt)], "*i32"]
                 jobs.append(dict(kernel="lora_ranksplit_kernel", const=const, options=options,
                                  dtypes=dict(zip(PTR_ARGS_RS, types))))
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))

@@ -241,36 +241,72 @@ def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, 
 
 
 @triton.jit
-def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, _y_in_ptr, y_ptr,
+def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
+                    BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
+                    CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
+                    MBP: tl.constexpr, TIMING: tl.constexpr):
+    """Unit u: its table entry, then all of its rows and its first tokens' x in one trip, then per
+    step of BLOCK_T tokens xa and the delta, added into y. A dead unit (n = 0: past the live total)
+    reads its entry only."""
+    rec = meta_ptr + u * 4
+    t0 = tl.load(rec)
+    t1 = tl.load(rec + 1)
+    n = tl.load(rec + 2)
+    j = tl.load(rec + 3) + tl.arange(0, RC)
+    live = tl.arange(0, RC) < n
+    a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
+    b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
+    if TIMING:
+        if n >= 0:  # (always: the stamp waits for the entry)
+            tl.store(times_ptr + p * 8 + 1, _now())
+    ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
+    xk = ma * CA + tl.arange(0, CA)[None, :]
+    yk = mb * CB + tl.arange(0, CB)[None, :]
+    for t_first in range(t0, t1, BLOCK_T):
+        for k in tl.static_range(BLOCK_T):
+            t = t_first + k
+            t_live = t < t1
+            xt = tl.load(x_ptr + t * FIN + xk, mask=t_live & (ma < MA), other=0)   # [MAP, CA]
+            xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :].to(tl.float32), axis=2), axis=1)  # [RC]
+            xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
+            if TIMING and k == 0:
+                if (t_first == t0) & (tl.sum(xa) != 3.25e38):  # once A and x are in
+                    tl.store(times_ptr + p * 8 + 2, _now())
+            d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
+            if TIMING and k == 0:
+                if (t_first == t0) & (tl.sum(d) != 3.25e38):  # once B is in
+                    tl.store(times_ptr + p * 8 + 3, _now())
+            tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
+                          sem="relaxed")
+
+
+@triton.jit
+def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, _y_in_ptr, y_ptr, times_ptr,
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
-                          CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr):
+                          CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
+                          TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
-    rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Every load
-    a unit needs is issued before its first product (one trip after its table entry); xa stays in
-    registers, rounded to the pool's dtype as the two-kernel pair stores it."""
+    rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
+    takes unit p without waiting for the total (the grid is at most U), then p + N_PROGRAMS, ...
+    below it. Every load a unit needs is issued before its first product (one trip after its table
+    entry); xa stays in registers, rounded to the pool's dtype as the two-kernel pair stores it.
+    TIMING (bench/ranksplit_timing.py): times [programs, 8] int32 gets the global timer (_now) at the
+    program's start, once its first entry is read, once its first xa and its first delta are computed,
+    at its end, then its SM and its unit count."""
     p = tl.program_id(0)
+    if TIMING:
+        tl.store(times_ptr + p * 8, _now())
+    _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
+                    W, CA, MA, MAP, CB, MB, MBP, TIMING)
     total = tl.load(total_ptr)
-    for u in range(p, total, N_PROGRAMS):
-        rec = meta_ptr + u * 4
-        t0 = tl.load(rec)
-        t1 = tl.load(rec + 1)
-        n = tl.load(rec + 2)
-        j = tl.load(rec + 3) + tl.arange(0, RC)
-        live = tl.arange(0, RC) < n
-        a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
-        b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
-        ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
-        xk = ma * CA + tl.arange(0, CA)[None, :]
-        yk = mb * CB + tl.arange(0, CB)[None, :]
-        for t_first in range(t0, t1, BLOCK_T):
-            for k in tl.static_range(BLOCK_T):
-                t = t_first + k
-                t_live = t < t1
-                xt = tl.load(x_ptr + t * FIN + xk, mask=t_live & (ma < MA), other=0)   # [MAP, CA]
-                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :].to(tl.float32), axis=2), axis=1)  # [RC]
-                xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
-                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
-                tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
-                              sem="relaxed")
+    units = 1
+    for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
+        _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
+                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0)
+        units += 1
+    if TIMING:
+        tl.store(times_ptr + p * 8 + 4, _now())
+        tl.store(times_ptr + p * 8 + 5, tl_cuda.smid())
+        tl.store(times_ptr + p * 8 + 6, units)

@@ -135,9 +135,10 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
     return np.array([u], np.int32), meta, rids(a_rows, fin, ca, ma), rids(b_rows, fout, cb, mb)
 
 
-def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None):
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False):
     """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
-    which the output aliases. table: plan's four arrays."""
+    which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
+    int32 with timing, else one unused entry). table: plan's four arrays."""
     s = settings or BLOCKS["ranksplit"]
     width = rows.shape[1]
     total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
@@ -150,7 +151,7 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None):
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs)
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing))
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
@@ -158,16 +159,19 @@ def _frozen() -> tuple:
     return tuple(sorted(BLOCKS["ranksplit"].items()))
 
 
-@functools.partial(jax.jit, static_argnames=("fin", "fout", "settings"))
-def _apply(y, x, rows, table, *, fin, fout, settings):
+@functools.partial(jax.jit, static_argnames=("fin", "fout", "settings", "timing"))
+def _apply(y, x, rows, table, *, fin, fout, settings, timing=False):
+    """y after the launch; with timing, (y, times [programs, 8])."""
     import jax_triton
     from triton_kernels import _lora_tl
 
-    arrays, const, grid, opts = launch_args(y, x, rows, table, fin=fin, fout=fout, settings=dict(settings))
-    return jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_ranksplit_kernel,
-                                  out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype), grid=grid,
-                                  name="lora_ranksplit_triton", input_output_aliases={len(arrays) - 1: 0},
-                                  **opts, **const)
+    arrays, const, grid, opts = launch_args(y, x, rows, table, fin=fin, fout=fout, settings=dict(settings),
+                                            timing=timing)
+    outs = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((grid[0], 8) if timing else (1,), jnp.int32))
+    y, times = jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_ranksplit_kernel, out_shape=outs, grid=grid,
+                                      name="lora_ranksplit_triton", input_output_aliases={len(arrays) - 1: 0},
+                                      **opts, **const)
+    return (y, times) if timing else y
 
 
 def ranksplit_apply(y, x, rows, table, *, fin: int, fout: int, interpret=None):
