@@ -36,7 +36,7 @@ DTYPE_ID = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
 DEFAULT = dict(rs.BLOCKS["ranksplit"])
 # several units a program, 4 rank rows a unit, 2 steps of 2 tokens a unit
 SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
-SETTINGS = {"default": DEFAULT, "small": SMALL}
+SETTINGS = {"default": DEFAULT, "small": SMALL, "joint": {**SMALL, "joint": not DEFAULT["joint"], "max_programs": 132}}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
 
 

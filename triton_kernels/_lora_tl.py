@@ -244,10 +244,11 @@ def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, 
 def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
                     BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
                     CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
-                    MBP: tl.constexpr, TIMING: tl.constexpr):
+                    MBP: tl.constexpr, JOINT: tl.constexpr, TIMING: tl.constexpr):
     """Unit u: its table entry, then all of its rows and its first tokens' x in one trip, then per
     step of BLOCK_T tokens xa and the delta, added into y. A dead unit (n = 0: past the live total)
-    reads its entry only."""
+    reads its entry only. JOINT: a step's tokens in one product each (one cross-warp reduction for
+    all of their xa, each weight widened once for all of them); else token by token."""
     rec = meta_ptr + u * 4
     t0 = tl.load(rec)
     t1 = tl.load(rec + 1)
@@ -262,22 +263,44 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
     ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
     xk = ma * CA + tl.arange(0, CA)[None, :]
     yk = mb * CB + tl.arange(0, CB)[None, :]
-    for t_first in range(t0, t1, BLOCK_T):
-        for k in tl.static_range(BLOCK_T):
-            t = t_first + k
-            t_live = t < t1
-            xt = tl.load(x_ptr + t * FIN + xk, mask=t_live & (ma < MA), other=0)   # [MAP, CA]
-            xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :].to(tl.float32), axis=2), axis=1)  # [RC]
-            xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
-            if TIMING and k == 0:
-                if (t_first == t0) & (tl.sum(xa) != 3.25e38):  # once A and x are in
+    if JOINT:
+        tt = tl.arange(0, BLOCK_T)[:, None, None]
+        for t_first in range(t0, t1, BLOCK_T):
+            t = t_first + tt                                                          # [BLOCK_T, 1, 1]
+            xt = tl.load(x_ptr + t * FIN + xk[None, :, :], mask=(t < t1) & (ma < MA)[None, :, :], other=0)
+            xa = tl.sum(tl.sum(a[:, None, :, :].to(tl.float32) * xt[None, :, :, :].to(tl.float32), axis=3), axis=2)
+            xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)                      # [RC, BLOCK_T]
+            if TIMING:
+                if (t_first == t0) & (tl.sum(xa) != 3.25e38):
                     tl.store(times_ptr + p * 8 + 2, _now())
-            d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
-            if TIMING and k == 0:
-                if (t_first == t0) & (tl.sum(d) != 3.25e38):  # once B is in
+            d = tl.sum(xa[:, :, None, None] * b[:, None, :, :].to(tl.float32), axis=0)  # [BLOCK_T, MBP, CB]
+            if TIMING:
+                if (t_first == t0) & (tl.sum(d) != 3.25e38):
                     tl.store(times_ptr + p * 8 + 3, _now())
-            tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
-                          sem="relaxed")
+            tl.atomic_add(y_ptr + t * FOUT + yk[None, :, :], d.to(y_ptr.dtype.element_ty),
+                          mask=(t < t1) & (mb < MB)[None, :, :], sem="relaxed")
+    else:
+        tt = tl.arange(0, BLOCK_T)[:, None, None]
+        for t_first in range(t0, t1, BLOCK_T):
+            # the step's x in the same trip as the rows (loads do not pass the adds below), then its
+            # tokens one by one (row k taken within each thread: the token axis is not split)
+            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
+            for k in tl.static_range(BLOCK_T):
+                t = t_first + k
+                t_live = t < t1
+                xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                      # [MAP, CA]
+                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1)  # [RC]
+                xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
+                if TIMING and k == 0:
+                    if (t_first == t0) & (tl.sum(xa) != 3.25e38):  # once A and x are in
+                        tl.store(times_ptr + p * 8 + 2, _now())
+                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
+                if TIMING and k == 0:
+                    if (t_first == t0) & (tl.sum(d) != 3.25e38):  # once B is in
+                        tl.store(times_ptr + p * 8 + 3, _now())
+                tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
+                              sem="relaxed")
 
 
 @triton.jit
@@ -285,7 +308,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          TIMING: tl.constexpr = 0):
+                          JOINT: tl.constexpr = 0, TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -299,12 +322,12 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
     _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
-                    W, CA, MA, MAP, CB, MB, MBP, TIMING)
+                    W, CA, MA, MAP, CB, MB, MBP, JOINT, TIMING)
     total = tl.load(total_ptr)
     units = 1
     for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
         _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
-                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0)
+                        FOUT, W, CA, MA, MAP, CB, MB, MBP, JOINT, 0)
         units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())

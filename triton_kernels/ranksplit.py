@@ -51,8 +51,10 @@ BLOCKS = {
     # rank_rows: RC, the rank rows of one adapter a program owns (a power of two); num_warps: its
     # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8); block_t: tokens
     # a step of its token loop; group_t: most tokens of one slot a unit takes (a multiple of
-    # block_t); max_programs: programs a launch at most (132: the H200's SMs).
-    "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132),
+    # block_t); max_programs: programs a launch at most (132: the H200's SMs); joint: a step's
+    # tokens in one product each (one cross-warp reduction a step), else token by token.
+    "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
+                      joint=False),
 }
 
 
@@ -151,7 +153,7 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing))
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, JOINT=int(s["joint"]), TIMING=int(timing))
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
