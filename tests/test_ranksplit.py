@@ -36,7 +36,10 @@ DTYPE_ID = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
 DEFAULT = dict(rs.BLOCKS["ranksplit"])
 # several units a program, 4 rank rows a unit, 2 steps of 2 tokens a unit
 SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
-SETTINGS = {"default": DEFAULT, "small": SMALL, "joint": {**SMALL, "joint": not DEFAULT["joint"], "max_programs": 132}}
+# the three token forms: pairs (block_t 2, the defaults and SMALL), joint, one by one (block_t 1 and 4)
+SETTINGS = {"default": DEFAULT, "small": SMALL, "joint": {**SMALL, "joint": True, "block_t": 4, "max_programs": 132},
+            "tokenwise": {**SMALL, "block_t": 1, "group_t": 3}, "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8},
+            "halves": {**DEFAULT, "halves": True}, "halves_small": {**SMALL, "halves": True}}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
 
 

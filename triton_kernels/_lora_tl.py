@@ -228,12 +228,12 @@ def lora_coop_kernel(table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_p
 
 @triton.jit
 def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
-               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
-    """[RC, MP, C]: rank rows j's matrix rows (F elements each: M chunks of C, padded to MP) from the
-    pool; rid [U, MP, RC] holds unit u's pool row of each chunk. Rows not live and chunks past M
-    read nothing (0)."""
+               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr, K0: tl.constexpr, R: tl.constexpr):
+    """[R, MP, C]: rank rows j (the unit's rows K0 .. K0 + R - 1) as matrix rows (F elements each: M
+    chunks of C, padded to MP) from the pool; rid [U, MP, RC] holds unit u's pool row of each chunk.
+    Rows not live and chunks past M read nothing (0)."""
     m = tl.arange(0, MP)
-    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + tl.arange(0, RC)[:, None])   # [RC, MP]
+    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + K0 + tl.arange(0, R)[:, None])   # [R, MP]
     off = rid.to(tl.int64) * W + (j[:, None] * F + m[None, :] * C) % W
     off = tl.multiple_of(off, [C, C])  # chunks start C-aligned: 16-byte loads
     mask = live[:, None, None] & (m < M)[None, :, None]
@@ -241,22 +241,45 @@ def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, 
 
 
 @triton.jit
+def _pair_deltas(a, b, x0, x1, ROUND_TY: tl.constexpr):
+    """Two tokens' xa over a part's A^T rows a [R, MAP, CA] (rounded to the pool's dtype), then their
+    deltas over its B rows b [R, MBP, CB]: ([MBP, CB], [MBP, CB]) float32."""
+    af = a.to(tl.float32)
+    xa0 = tl.sum(tl.sum(af * x0[None, :, :], axis=2), axis=1).to(ROUND_TY).to(tl.float32)
+    xa1 = tl.sum(tl.sum(af * x1[None, :, :], axis=2), axis=1).to(ROUND_TY).to(tl.float32)
+    bf = b.to(tl.float32)
+    return tl.sum(xa0[:, None, None] * bf, axis=0), tl.sum(xa1[:, None, None] * bf, axis=0)
+
+
+@triton.jit
 def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
                     BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
                     CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
-                    MBP: tl.constexpr, JOINT: tl.constexpr, TIMING: tl.constexpr):
+                    MBP: tl.constexpr, JOINT: tl.constexpr, HALVES: tl.constexpr, TIMING: tl.constexpr):
     """Unit u: its table entry, then all of its rows and its first tokens' x in one trip, then per
     step of BLOCK_T tokens xa and the delta, added into y. A dead unit (n = 0: past the live total)
     reads its entry only. JOINT: a step's tokens in one product each (one cross-warp reduction for
-    all of their xa, each weight widened once for all of them); else token by token."""
+    all of their xa, each weight widened once for all of them); else, at BLOCK_T 2, the pair's two
+    xa, then its two deltas; else token by token."""
     rec = meta_ptr + u * 4
     t0 = tl.load(rec)
     t1 = tl.load(rec + 1)
     n = tl.load(rec + 2)
-    j = tl.load(rec + 3) + tl.arange(0, RC)
-    live = tl.arange(0, RC) < n
-    a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
-    b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
+    j0 = tl.load(rec + 3)
+    if HALVES:  # the rows as two halves, loaded in this order, so the first's products overlap the second's arrival
+        RH: tl.constexpr = RC // 2
+        h = tl.arange(0, RH)
+        a_lo = _rows_tile(rows_ptr, arid_ptr, u, j0 + h, h < n, FIN, W, CA, MA, MAP, RC, 0, RH)
+        b_lo = _rows_tile(rows_ptr, brid_ptr, u, j0 + h, h < n, FOUT, W, CB, MB, MBP, RC, 0, RH)
+        a_hi = _rows_tile(rows_ptr, arid_ptr, u, j0 + RH + h, RH + h < n, FIN, W, CA, MA, MAP, RC, RH, RH)
+        b_hi = _rows_tile(rows_ptr, brid_ptr, u, j0 + RH + h, RH + h < n, FOUT, W, CB, MB, MBP, RC, RH, RH)
+        a = a_lo
+        b = b_lo
+    else:
+        j = j0 + tl.arange(0, RC)
+        live = tl.arange(0, RC) < n
+        a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC, 0, RC)   # A^T rows [RC, MAP, CA]
+        b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC, 0, RC)  # B rows [RC, MBP, CB]
     if TIMING:
         if n >= 0:  # (always: the stamp waits for the entry)
             tl.store(times_ptr + p * 8 + 1, _now())
@@ -279,6 +302,49 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
                     tl.store(times_ptr + p * 8 + 3, _now())
             tl.atomic_add(y_ptr + t * FOUT + yk[None, :, :], d.to(y_ptr.dtype.element_ty),
                           mask=(t < t1) & (mb < MB)[None, :, :], sem="relaxed")
+    elif HALVES:  # (BLOCK_T 2: the wrapper checks)
+        tt = tl.arange(0, 2)[:, None, None]
+        for t_first in range(t0, t1, 2):
+            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
+            x0 = tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)                           # [MAP, CA]
+            x1 = tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)
+            d0, d1 = _pair_deltas(a_lo, b_lo, x0, x1, rows_ptr.dtype.element_ty)
+            if TIMING:
+                if (t_first == t0) & (tl.sum(d0 + d1) != 3.25e38):  # once the first half is in
+                    tl.store(times_ptr + p * 8 + 2, _now())
+            e0, e1 = _pair_deltas(a_hi, b_hi, x0, x1, rows_ptr.dtype.element_ty)
+            if TIMING:
+                if (t_first == t0) & (tl.sum(e0 + e1) != 3.25e38):  # once the second is in
+                    tl.store(times_ptr + p * 8 + 3, _now())
+            tl.atomic_add(y_ptr + t_first * FOUT + yk, (d0 + e0).to(y_ptr.dtype.element_ty), mask=mb < MB,
+                          sem="relaxed")
+            tl.atomic_add(y_ptr + (t_first + 1) * FOUT + yk, (d1 + e1).to(y_ptr.dtype.element_ty),
+                          mask=(t_first + 1 < t1) & (mb < MB), sem="relaxed")
+    elif BLOCK_T == 2:
+        # token pairs (decode's usual case), in phases: both tokens' xa (their products as the A^T
+        # rows arrive, while B's still come in), then both deltas, then both adds
+        tt = tl.arange(0, 2)[:, None, None]
+        for t_first in range(t0, t1, 2):
+            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
+            x0 = tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)                           # [MAP, CA]
+            x1 = tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)
+            af = a.to(tl.float32)
+            xa0 = tl.sum(tl.sum(af * x0[None, :, :], axis=2), axis=1).to(rows_ptr.dtype.element_ty).to(tl.float32)
+            xa1 = tl.sum(tl.sum(af * x1[None, :, :], axis=2), axis=1).to(rows_ptr.dtype.element_ty).to(tl.float32)
+            if TIMING:
+                if (t_first == t0) & (tl.sum(xa0 + xa1) != 3.25e38):  # once A and x are in
+                    tl.store(times_ptr + p * 8 + 2, _now())
+            bf = b.to(tl.float32)
+            d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                                 # [MBP, CB]
+            d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
+            if TIMING:
+                if (t_first == t0) & (tl.sum(d0 + d1) != 3.25e38):  # once B is in
+                    tl.store(times_ptr + p * 8 + 3, _now())
+            tl.atomic_add(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mask=mb < MB, sem="relaxed")
+            tl.atomic_add(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
+                          mask=(t_first + 1 < t1) & (mb < MB), sem="relaxed")
     else:
         tt = tl.arange(0, BLOCK_T)[:, None, None]
         for t_first in range(t0, t1, BLOCK_T):
@@ -308,7 +374,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          JOINT: tl.constexpr = 0, TIMING: tl.constexpr = 0):
+                          JOINT: tl.constexpr = 0, HALVES: tl.constexpr = 0, TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -322,12 +388,12 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
     _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
-                    W, CA, MA, MAP, CB, MB, MBP, JOINT, TIMING)
+                    W, CA, MA, MAP, CB, MB, MBP, JOINT, HALVES, TIMING)
     total = tl.load(total_ptr)
     units = 1
     for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
         _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
-                        FOUT, W, CA, MA, MAP, CB, MB, MBP, JOINT, 0)
+                        FOUT, W, CA, MA, MAP, CB, MB, MBP, JOINT, HALVES, 0)
         units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())

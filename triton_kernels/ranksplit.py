@@ -52,9 +52,11 @@ BLOCKS = {
     # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8); block_t: tokens
     # a step of its token loop; group_t: most tokens of one slot a unit takes (a multiple of
     # block_t); max_programs: programs a launch at most (132: the H200's SMs); joint: a step's
-    # tokens in one product each (one cross-warp reduction a step), else token by token.
+    # tokens in one product each (one cross-warp reduction a step), else token by token (at block_t 2:
+    # both xa, then both deltas); halves (block_t 2, not joint): a unit's rank rows as two halves,
+    # the second's loads issued before the first's products, which then overlap their arrival.
     "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
-                      joint=False),
+                      joint=False, halves=False),
 }
 
 
@@ -150,10 +152,13 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
         raise ValueError(f"ranksplit table shapes {arid.shape}, {brid.shape} are not plan's for in {fin}, "
                          f"out {fout}, width {width}, rank_rows {s['rank_rows']}")
     n_programs = max(1, min(meta.shape[0], s["max_programs"]))
+    if s["halves"] and (s["block_t"] != 2 or s["joint"] or s["rank_rows"] < 2):
+        raise ValueError(f'BLOCKS["ranksplit"]: halves needs block_t 2, rank_rows >= 2 and not joint: {s}')
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, JOINT=int(s["joint"]), TIMING=int(timing))
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, JOINT=int(s["joint"]), HALVES=int(s["halves"]),
+                 TIMING=int(timing))
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
