@@ -40,7 +40,7 @@ from pallas_kernels import lora as lora_kernels  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
 
 KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
-    ("lora kernel", ("shrink", "expand", "lora_fused")),
+    ("lora kernel", ("shrink", "expand", "lora_fused", "ranksplit")),
     ("sort (sampler)", ("sort",)),
     ("attention kernel", ("paged_decode", "attention")),
     ("matmul", ("gemm", "cublas", "cutlass", "matmul", "dot", "sm90_xmma", "nvjet")),

@@ -899,6 +899,10 @@ class Engine:
         schedules = self._schedules(ranks, seg_starts, t, backend, group, block_t, self.opts.max_lora_rank, shrink_bt)
         if decode and backend == "pallas" and self.tp is None and BLOCKS["onetrip"]["decode"]:
             schedules.update(paged.onetrip_plans(rows, ranks, seg_starts, t, self.cfg, group, self.opts.max_lora_rank))
+        if decode and backend in ("pallas", "triton") and self.tp is None and paged.ranksplit.decode_takes(len(seg_starts) - 1):
+            schedules = dict(schedules or {})
+            schedules.update(paged.ranksplit_plans(rows, ranks, seg_starts, t, self.cfg, self.opts.max_lora_rank,
+                                                   self.dtype))
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,

@@ -24,6 +24,7 @@ from pallas_kernels.paged_attention import paged_decode_attention
 from slora_jax import model, tp as tp_mod
 from slora_jax.config import QKV_MODULES, ModelConfig
 from slora_jax.sampling import sample
+from triton_kernels import ranksplit
 
 
 @flax.struct.dataclass
@@ -326,6 +327,21 @@ def onetrip_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg: 
     return out
 
 
+def ranksplit_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg: ModelConfig, max_rank: int,
+                    dtype) -> dict:
+    """Host side of a decode step's rank-split kernel (triton_kernels/ranksplit.py): schedules["ranksplit:"
+    + module], its table, for each module the kernel takes (its rows in whole chunks of the pool width,
+    y of `dtype`); pool_lora takes the kernel where these are present. rows / ranks: the step's
+    per-module arrays (before stack_qkv)."""
+    width, out = cfg.kv_size, {}
+    for m, (a_rows, b_rows) in rows.items():
+        fin, fout = cfg.module_shape(m)
+        if ranksplit.applies(width, fin, fout, dtype):
+            out["ranksplit:" + m] = ranksplit.plan(ranks[m], a_rows, b_rows, seg_starts, t, fin=fin, fout=fout,
+                                                   width=width, max_rank=max_rank)
+    return out
+
+
 def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
     """A `model.LoraApply` reading adapters from the pool as it was at the start of the step (see
     paged_attention_xla). The kernels add their product into the base output y in place. Under
@@ -381,6 +397,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
         rows = pl.reshape(-1, pl.shape[-1])
         plans = lora.schedules or {}
         schedule = plans.get(module)
+        if "ranksplit:" + module in plans:  # a decode step's rank-split kernel (ranksplit_plans)
+            return ranksplit.ranksplit_apply(y, x, rows, plans["ranksplit:" + module], fin=fin, fout=fout)
         if "onetrip-apply:" + module in plans:  # one launch (onetrip_plans)
             return onetrip.onetrip_apply(y, x, rows, *plans["onetrip-apply:" + module], max_rank=lora.max_rank)
         if lora.backend == "triton":

@@ -264,24 +264,37 @@ def test_legacy_config_layout(oracle):
 # --- the paged engine under pressure ------------------------------------------------------------
 
 @pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "onetrip_lora",
-                                    "onetrip_one_launch", "per_layer"])
+                                    "onetrip_one_launch", "ranksplit_lora", "per_layer"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
     evicted and paged in again mid-run, requests queue); through the Pallas LoRA and decode
     attention kernels, with the fused LoRA kernel (one launch a module; q, k and v in one on the
-    mha model), and with the one-trip decode pair (pallas_kernels/onetrip.py, its tables built on
-    the host); and compiled one decoder layer at a time (compile_per_layer). Every row still
-    matches the oracle."""
+    mha model), with the one-trip decode pair (pallas_kernels/onetrip.py, its tables built on
+    the host), with the rank-split decode kernel (triton_kernels/ranksplit.py; off the GPU its
+    jnp stand-in from the same tables); and compiled one decoder layer at a time
+    (compile_per_layer). Every row still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora", "onetrip_one_launch"):  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora", "onetrip_one_launch",
+                    "ranksplit_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
+        if config == "ranksplit_lora":
+            from slora_jax import paged
+            from triton_kernels.lora import unavailable_reason
+            rsk = paged.ranksplit
+            launches, real = [], rsk.ranksplit_apply if unavailable_reason() is None else rsk.ranksplit_reference
+
+            def spy(y, x, rows, table, **kw):
+                launches.append(table[1].shape[0])  # its units' bound (traced: the step's shape)
+                return real(y, x, rows, table, **kw)
+            monkeypatch.setattr(rsk, "decode_takes", lambda slots: True)
+            monkeypatch.setattr(rsk, "ranksplit_apply", spy)
         if config.startswith("onetrip"):
             from pallas_kernels import lora, onetrip
             from slora_jax import paged
@@ -324,6 +337,8 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert stats["evictions"] > 0, stats
     if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
         assert max(launches) == (3 if model == "mha" else 1), launches
+    if config == "ranksplit_lora":  # decode steps took it
+        assert launches and min(launches) > 0, launches
     if config.startswith("onetrip"):  # decode steps took it: q, k and v in one shrink launch, or a launch each
         assert launches and max(launches) == (1 if config == "onetrip_one_launch" else 3), launches
         jax.clear_caches()

@@ -241,3 +241,15 @@ class TestRanksplitGPU:
         for _ in range(20):
             got = f(y, x)
         assert rel_err(got, jnp.asarray(want, jnp.float32)) < 2e-2, rel_err(got, jnp.asarray(want, jnp.float32))
+
+
+@pytest.mark.parametrize("setting", ["default", "small", "tokenwise"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_table_reference_matches_lora_references(name, setting, monkeypatch):
+    """ranksplit_reference (jnp, from the plan's table alone) equals lora.py's shrink-then-expand
+    references: the table names every live rank row's pool rows and tokens, and nothing else."""
+    monkeypatch.setitem(rs.BLOCKS, "ranksplit", dict(SETTINGS[setting]))
+    case, args, seg, ranks = inputs(name, jnp.float32)
+    got = rs.ranksplit_reference(args[0], args[1], args[2], tuple(map(jnp.asarray, table_of(case, args, SETTINGS[setting]))),
+                                 fin=case.fin, fout=case.fout)
+    check(got, case, args, seg, ranks, jnp.float32)

@@ -40,6 +40,7 @@ same slots (tests/test_ranksplit.py: under Triton's interpreter on the CPU, and 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,23 @@ BLOCKS = {
     # tokens in one product each (one cross-warp reduction a step), else token by token (at block_t 2:
     # both xa, then both deltas); halves (block_t 2, not joint): a unit's rank rows as two halves,
     # the second's loads issued before the first's products, which then overlap their arrival.
+    # decode: the engine's decode steps take the kernel (paged.ranksplit_plans) where their slot
+    # bucket is at most max_slots and jax-triton runs (off: a GPU profile decides; see bench/NOTES.md).
     "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
-                      joint=False, halves=False),
+                      joint=False, halves=False, decode=False, max_slots=64),
 }
+
+
+if os.environ.get("SLORA_RANKSPLIT_BLOCKS"):  # a benchmark's setting, as SLORA_LORA_BLOCKS for the Pallas kernels
+    _merge_blocks(os.environ["SLORA_RANKSPLIT_BLOCKS"], "SLORA_RANKSPLIT_BLOCKS", BLOCKS)
+
+
+def decode_takes(slots: int) -> bool:
+    """Whether a decode step of this slot bucket takes the kernel (BLOCKS["ranksplit"]: decode on,
+    at most max_slots slots) where it can run (a GPU with jax-triton)."""
+    from triton_kernels.lora import unavailable_reason
+    s = BLOCKS["ranksplit"]
+    return bool(s["decode"]) and slots <= s["max_slots"] and unavailable_reason() is None
 
 
 def set_blocks(over: str | dict | None = None) -> dict:
@@ -160,6 +175,46 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, JOINT=int(s["joint"]), HALVES=int(s["halves"]),
                  TIMING=int(timing))
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
+
+
+def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int, interpret=None):
+    """What the kernel computes, in jnp, from the same table: for each live unit, its tokens' x times
+    its A^T rows (float32 sums, rounded to the pool's dtype), times its B rows, added into y. The
+    table's check against lora.py's references and the kernel's stand-in off the GPU
+    (tests/test_ranksplit.py). group_t: BLOCKS["ranksplit"]'s, as plan's."""
+    return _reference(y, x, rows, tuple(table), fin=fin, fout=fout, g=BLOCKS["ranksplit"]["group_t"])
+
+
+@functools.partial(jax.jit, static_argnames=("fin", "fout", "g"))
+def _reference(y, x, rows, table, *, fin: int, fout: int, g: int):
+    total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
+    width = rows.shape[1]
+    t = y.shape[0]
+    u = jnp.arange(meta.shape[0])
+    rc = arid.shape[2]
+    t0, t1, n, j0 = (meta[:, i] for i in range(4))
+    live_u = u < total[0]
+
+    def weights(rid, feat):                                   # [U, RC, feat]
+        c, _, mp = _chunk(width, feat)
+        j = j0[:, None, None] + jnp.arange(rc)[None, None, :]             # [U, 1, RC]
+        col = (j * feat + (jnp.arange(mp) * c)[None, :, None]) % width    # [U, MP, RC]
+        idx = rid[..., None] * width + col[..., None] + jnp.arange(c)     # [U, MP, RC, C]
+        w = rows.reshape(-1)[idx].transpose(0, 2, 1, 3).reshape(len(u), rc, mp * c)[:, :, :feat]
+        keep = live_u[:, None] & (jnp.arange(rc)[None, :] < n[:, None])
+        return jnp.where(keep[:, :, None], w.astype(jnp.float32), 0)
+
+    a, b = weights(arid, fin), weights(brid, fout)
+    tok = t0[:, None] + jnp.arange(g)[None, :]                            # [U, G]
+    tok_live = live_u[:, None] & (tok < t1[:, None])
+    xs = jnp.where(tok_live[:, :, None], x[jnp.clip(tok, 0, t - 1)].astype(jnp.float32), 0)
+    xa = jnp.einsum("ugi,uri->ugr", xs, a, precision=jax.lax.Precision.HIGHEST)
+    xa = xa.astype(rows.dtype).astype(jnp.float32)
+    d = jnp.einsum("ugr,uro->ugo", xa, b, precision=jax.lax.Precision.HIGHEST)
+    d = jnp.where(tok_live[:, :, None], d, 0)
+    delta = jnp.zeros((t, fout), jnp.float32).at[jnp.where(tok_live, tok, t).reshape(-1)].add(
+        d.reshape(-1, fout), mode="drop")
+    return (y.astype(jnp.float32) + delta).astype(y.dtype)
 
 
 def _frozen() -> tuple:
