@@ -57,9 +57,10 @@ BLOCKS = {
     # both xa, then both deltas); halves (block_t 2, not joint): a unit's rank rows as two halves,
     # the second's loads issued before the first's products, which then overlap their arrival.
     # decode: the engine's decode steps take the kernel (paged.ranksplit_plans) where their slot
-    # bucket is at most max_slots and jax-triton runs (off: a GPU profile decides; see bench/NOTES.md).
+    # bucket is within [min_slots, max_slots] and jax-triton runs. H200, llama-7b, B 64 (session 27):
+    # the step -5.8% at 32 adapters, -2% at 64, +2% at 8 (too few units to fill the GPU).
     "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
-                      joint=False, halves=False, decode=False, max_slots=64),
+                      joint=False, halves=False, decode=False, min_slots=16, max_slots=64),
 }
 
 
@@ -69,10 +70,10 @@ if os.environ.get("SLORA_RANKSPLIT_BLOCKS"):  # a benchmark's setting, as SLORA_
 
 def decode_takes(slots: int) -> bool:
     """Whether a decode step of this slot bucket takes the kernel (BLOCKS["ranksplit"]: decode on,
-    at most max_slots slots) where it can run (a GPU with jax-triton)."""
+    min_slots to max_slots slots) where it can run (a GPU with jax-triton)."""
     from triton_kernels.lora import unavailable_reason
     s = BLOCKS["ranksplit"]
-    return bool(s["decode"]) and slots <= s["max_slots"] and unavailable_reason() is None
+    return bool(s["decode"]) and s["min_slots"] <= slots <= s["max_slots"] and unavailable_reason() is None
 
 
 def set_blocks(over: str | dict | None = None) -> dict:
