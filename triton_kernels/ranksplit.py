@@ -60,7 +60,7 @@ BLOCKS = {
     # bucket is within [min_slots, max_slots] and jax-triton runs. H200, llama-7b, B 64 (session 27):
     # the step -5.8% at 32 adapters, -2% at 64, +2% at 8 (too few units to fill the GPU).
     "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
-                      joint=False, halves=False, decode=False, min_slots=16, max_slots=64),
+                      joint=False, halves=False, decode=True, min_slots=16, max_slots=64),
 }
 
 
