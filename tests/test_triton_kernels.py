@@ -180,11 +180,15 @@ def interpreted(tmp_path_factory):
         for dtype in (jnp.float32, jnp.bfloat16):
             jobs.append(_coop_job(f"coop-{name}-{DTYPE_ID[dtype]}", *coop_inputs(name, dtype), arrays))
 
-    work = tmp_path_factory.mktemp("triton_interpret")
+    return run_interpreter(py, jobs, arrays, tmp_path_factory.mktemp("triton_interpret"))
+
+
+def run_interpreter(py: str, jobs: list, arrays: dict, work: Path, timeout: int = 900) -> dict:
+    """The jobs (see _job) in one subprocess of tests/triton_interpret.py: {job name: output}."""
     (work / "jobs.json").write_text(json.dumps(jobs))
     np.savez(work / "arrays.npz", **arrays)
     cmd = [py, str(HELPER), str(work / "jobs.json"), str(work / "arrays.npz"), str(work / "out.npz")]
-    p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         pytest.fail(f"the Triton interpreter failed: {' '.join(cmd)}\n{p.stdout[-3000:]}\n"
                     f"{p.stderr[-6000:]}", pytrace=False)
@@ -192,8 +196,7 @@ def interpreted(tmp_path_factory):
     with np.load(work / "out.npz") as z:
         for k in z.files:
             v = z[k]
-            out[k.removesuffix("@bf16")] = jnp.asarray(v.view(jnp.bfloat16) if k.endswith("@bf16")
-                                                       else v)
+            out[k.removesuffix("@bf16")] = jnp.asarray(v.view(jnp.bfloat16) if k.endswith("@bf16") else v)
     return out
 
 
@@ -308,6 +311,34 @@ def test_compiles_for_h200(tmp_path, fin=11008, fout=14336, width=1024):
 # Compiled, through jax-triton.
 
 
+def llama_point(seed: int, t: int = 64, n: int = 32, fin: int = 4096):
+    """Issue 4's point with real rows: (pool [N, fin] bf16, x, y [t, fin] bf16, a_idx, b_idx [n, 64],
+    ranks [n], seg [n + 1], want [t, fin] float32), adapters of ranks 8-64 cycling, every A^T / B row
+    at a random pool row (W = fin), want = y + x A B per slot in float64."""
+    rng = np.random.default_rng(seed)
+    ranks = np.array([(8, 16, 32, 64)[s % 4] for s in range(n)], np.int32)
+    seg = np.arange(n + 1, dtype=np.int32) * (t // n)
+    mats = [m for r in ranks for m in (rng.normal(size=(r, fin)) / 64, rng.normal(size=(r, fin)) / 8)]
+    place = rng.permutation(sum(len(m) for m in mats))
+    pool = np.zeros((len(place), fin))
+    pool[place] = np.concatenate(mats)
+    a_idx, b_idx, nxt = np.zeros((n, 64), np.int32), np.zeros((n, 64), np.int32), 0
+    for s in range(n):
+        for idx in (a_idx, b_idx):
+            idx[s, :ranks[s]] = place[nxt:nxt + ranks[s]]
+            nxt += ranks[s]
+    pool = jnp.asarray(pool, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
+    xf = np.asarray(x, np.float64)
+    want = np.asarray(y, np.float64).copy()
+    for s in range(n):
+        tok = slice(seg[s], seg[s + 1])
+        want[tok] += xf[tok] @ np.asarray(pool[a_idx[s, :ranks[s]]], np.float64).T @ \
+            np.asarray(pool[b_idx[s, :ranks[s]]], np.float64)
+    return pool, x, y, a_idx, b_idx, ranks, seg, jnp.asarray(want, jnp.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(tk.unavailable_reason() is not None, reason=str(tk.unavailable_reason()))
 class TestTritonGPU:
@@ -363,36 +394,15 @@ class TestTritonGPU:
     def test_coop_llama_shapes(self):
         """The coop launch at issue 4's shape (4096 -> 4096, 64 tokens over 32 adapters of ranks
         8-64, W 4096), many times in a row (the counters start from zero each call): the dense product."""
-        rng = np.random.default_rng(7)
-        t, n, fin = 64, 32, 4096
-        ranks = np.array([(8, 16, 32, 64)[s % 4] for s in range(n)], np.int32)
-        seg = np.arange(n + 1, dtype=np.int32) * (t // n)
-        mats = [m for r in ranks for m in (rng.normal(size=(r, fin)) / 64, rng.normal(size=(r, fin)) / 8)]
-        place = rng.permutation(sum(len(m) for m in mats))  # every A^T / B row at a random pool row (W = 4096)
-        pool = np.zeros((len(place), fin))
-        pool[place] = np.concatenate(mats)
-        a_idx, b_idx, nxt = np.zeros((n, 64), np.int32), np.zeros((n, 64), np.int32), 0
-        for s in range(n):
-            for idx in (a_idx, b_idx):
-                idx[s, :ranks[s]] = place[nxt:nxt + ranks[s]]
-                nxt += ranks[s]
-        pool = jnp.asarray(pool, jnp.bfloat16)
-        x = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
-        y = jnp.asarray(rng.normal(size=(t, fin)), jnp.bfloat16)
-        xf = np.asarray(x, np.float64)
-        want = np.asarray(y, np.float64).copy()
-        for s in range(n):
-            tok = slice(seg[s], seg[s + 1])
-            a = np.asarray(pool[a_idx[s, :ranks[s]]], np.float64).T
-            b = np.asarray(pool[b_idx[s, :ranks[s]]], np.float64)
-            want[tok] += xf[tok] @ a @ b
+        pool, x, y, a_idx, b_idx, ranks, seg, want = llama_point(7)
+        t, fin = x.shape
         schedule = tuple(map(jnp.asarray, tk.coop_schedule(ranks, seg, t, max_rank=64, fout=fin, width=fin)))
         f = jax.jit(lambda y, x: tk.lora_coop_apply(y, x, pool, jnp.asarray(a_idx), jnp.asarray(b_idx),
                                                     jnp.asarray(ranks), jnp.asarray(seg), max_rank=64, fin=fin,
                                                     fout=fin, schedule=schedule))
         for _ in range(20):
             got = f(y, x)
-        assert rel_err(got, jnp.asarray(want, jnp.float32)) < 2e-2, rel_err(got, jnp.asarray(want, jnp.float32))
+        assert rel_err(got, want) < 2e-2, rel_err(got, want)
 
     def test_inside_jit_with_donated_y(self):
         """Expand under jit, y donated: the alias lets XLA update y in place."""

@@ -228,12 +228,12 @@ def lora_coop_kernel(table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_p
 
 @triton.jit
 def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
-               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr, K0: tl.constexpr, R: tl.constexpr):
-    """[R, MP, C]: rank rows j (the unit's rows K0 .. K0 + R - 1) as matrix rows (F elements each: M
-    chunks of C, padded to MP) from the pool; rid [U, MP, RC] holds unit u's pool row of each chunk.
-    Rows not live and chunks past M read nothing (0)."""
+               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
+    """[RC, MP, C]: rank rows j's matrix rows (F elements each: M chunks of C, padded to MP) from the
+    pool; rid [U, MP, RC] holds unit u's pool row of each chunk. Rows not live and chunks past M
+    read nothing (0)."""
     m = tl.arange(0, MP)
-    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + K0 + tl.arange(0, R)[:, None])   # [R, MP]
+    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + tl.arange(0, RC)[:, None])   # [RC, MP]
     off = rid.to(tl.int64) * W + (j[:, None] * F + m[None, :] * C) % W
     off = tl.multiple_of(off, [C, C])  # chunks start C-aligned: 16-byte loads
     mask = live[:, None, None] & (m < M)[None, :, None]
@@ -241,132 +241,68 @@ def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, 
 
 
 @triton.jit
-def _pair_deltas(a, b, x0, x1, ROUND_TY: tl.constexpr):
-    """Two tokens' xa over a part's A^T rows a [R, MAP, CA] (rounded to the pool's dtype), then their
-    deltas over its B rows b [R, MBP, CB]: ([MBP, CB], [MBP, CB]) float32."""
-    af = a.to(tl.float32)
-    xa0 = tl.sum(tl.sum(af * x0[None, :, :], axis=2), axis=1).to(ROUND_TY).to(tl.float32)
-    xa1 = tl.sum(tl.sum(af * x1[None, :, :], axis=2), axis=1).to(ROUND_TY).to(tl.float32)
-    bf = b.to(tl.float32)
-    return tl.sum(xa0[:, None, None] * bf, axis=0), tl.sum(xa1[:, None, None] * bf, axis=0)
+def _stamp_after(v, when, times_ptr, slot, TIMING: tl.constexpr):
+    """TIMING: the global timer into times[slot] once v (a float32 tensor) is computed, if `when`."""
+    if TIMING:
+        if when & (tl.sum(v) != 3.25e38):  # (the sum: the branch waits for v)
+            tl.store(times_ptr + slot, _now())
 
 
 @triton.jit
 def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
                     BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
                     CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
-                    MBP: tl.constexpr, JOINT: tl.constexpr, HALVES: tl.constexpr, TIMING: tl.constexpr):
-    """Unit u: its table entry, then all of its rows and its first tokens' x in one trip, then per
-    step of BLOCK_T tokens xa and the delta, added into y. A dead unit (n = 0: past the live total)
-    reads its entry only. JOINT: a step's tokens in one product each (one cross-warp reduction for
-    all of their xa, each weight widened once for all of them); else, at BLOCK_T 2, the pair's two
-    xa, then its two deltas; else token by token."""
+                    MBP: tl.constexpr, TIMING: tl.constexpr):
+    """Unit u: its table entry, then all of its rows and a step's x in one trip, then per step of
+    BLOCK_T tokens their xa and deltas, added into y. At BLOCK_T 2 (decode's pairs) both tokens' xa
+    come before both deltas; else a token at a time. A dead unit (n = 0: past the live total) reads
+    its entry only. x_all's token axis stays within each thread, so taking a token's row is free."""
     rec = meta_ptr + u * 4
     t0 = tl.load(rec)
     t1 = tl.load(rec + 1)
     n = tl.load(rec + 2)
-    j0 = tl.load(rec + 3)
-    if HALVES:  # the rows as two halves, loaded in this order, so the first's products overlap the second's arrival
-        RH: tl.constexpr = RC // 2
-        h = tl.arange(0, RH)
-        a_lo = _rows_tile(rows_ptr, arid_ptr, u, j0 + h, h < n, FIN, W, CA, MA, MAP, RC, 0, RH)
-        b_lo = _rows_tile(rows_ptr, brid_ptr, u, j0 + h, h < n, FOUT, W, CB, MB, MBP, RC, 0, RH)
-        a_hi = _rows_tile(rows_ptr, arid_ptr, u, j0 + RH + h, RH + h < n, FIN, W, CA, MA, MAP, RC, RH, RH)
-        b_hi = _rows_tile(rows_ptr, brid_ptr, u, j0 + RH + h, RH + h < n, FOUT, W, CB, MB, MBP, RC, RH, RH)
-        a = a_lo
-        b = b_lo
-    else:
-        j = j0 + tl.arange(0, RC)
-        live = tl.arange(0, RC) < n
-        a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC, 0, RC)   # A^T rows [RC, MAP, CA]
-        b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC, 0, RC)  # B rows [RC, MBP, CB]
+    j = tl.load(rec + 3) + tl.arange(0, RC)
+    live = tl.arange(0, RC) < n
+    a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
+    b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
     if TIMING:
         if n >= 0:  # (always: the stamp waits for the entry)
             tl.store(times_ptr + p * 8 + 1, _now())
     ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
     xk = ma * CA + tl.arange(0, CA)[None, :]
     yk = mb * CB + tl.arange(0, CB)[None, :]
-    if JOINT:
-        tt = tl.arange(0, BLOCK_T)[:, None, None]
-        for t_first in range(t0, t1, BLOCK_T):
-            t = t_first + tt                                                          # [BLOCK_T, 1, 1]
-            xt = tl.load(x_ptr + t * FIN + xk[None, :, :], mask=(t < t1) & (ma < MA)[None, :, :], other=0)
-            xa = tl.sum(tl.sum(a[:, None, :, :].to(tl.float32) * xt[None, :, :, :].to(tl.float32), axis=3), axis=2)
-            xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)                      # [RC, BLOCK_T]
-            if TIMING:
-                if (t_first == t0) & (tl.sum(xa) != 3.25e38):
-                    tl.store(times_ptr + p * 8 + 2, _now())
-            d = tl.sum(xa[:, :, None, None] * b[:, None, :, :].to(tl.float32), axis=0)  # [BLOCK_T, MBP, CB]
-            if TIMING:
-                if (t_first == t0) & (tl.sum(d) != 3.25e38):
-                    tl.store(times_ptr + p * 8 + 3, _now())
-            tl.atomic_add(y_ptr + t * FOUT + yk[None, :, :], d.to(y_ptr.dtype.element_ty),
-                          mask=(t < t1) & (mb < MB)[None, :, :], sem="relaxed")
-    elif HALVES:  # (BLOCK_T 2: the wrapper checks)
-        tt = tl.arange(0, 2)[:, None, None]
-        for t_first in range(t0, t1, 2):
-            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
-                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
-            x0 = tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)                           # [MAP, CA]
-            x1 = tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)
-            d0, d1 = _pair_deltas(a_lo, b_lo, x0, x1, rows_ptr.dtype.element_ty)
-            if TIMING:
-                if (t_first == t0) & (tl.sum(d0 + d1) != 3.25e38):  # once the first half is in
-                    tl.store(times_ptr + p * 8 + 2, _now())
-            e0, e1 = _pair_deltas(a_hi, b_hi, x0, x1, rows_ptr.dtype.element_ty)
-            if TIMING:
-                if (t_first == t0) & (tl.sum(e0 + e1) != 3.25e38):  # once the second is in
-                    tl.store(times_ptr + p * 8 + 3, _now())
-            tl.atomic_add(y_ptr + t_first * FOUT + yk, (d0 + e0).to(y_ptr.dtype.element_ty), mask=mb < MB,
-                          sem="relaxed")
-            tl.atomic_add(y_ptr + (t_first + 1) * FOUT + yk, (d1 + e1).to(y_ptr.dtype.element_ty),
-                          mask=(t_first + 1 < t1) & (mb < MB), sem="relaxed")
-    elif BLOCK_T == 2:
-        # token pairs (decode's usual case), in phases: both tokens' xa (their products as the A^T
-        # rows arrive, while B's still come in), then both deltas, then both adds
-        tt = tl.arange(0, 2)[:, None, None]
-        for t_first in range(t0, t1, 2):
-            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
-                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
-            x0 = tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)                           # [MAP, CA]
-            x1 = tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)
+    tt = tl.arange(0, BLOCK_T)[:, None, None]
+    rty = rows_ptr.dtype.element_ty
+    for t_first in range(t0, t1, BLOCK_T):
+        # the step's x in the rows' trip (loads do not pass the adds below)
+        x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                        mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
+        first = t_first == t0
+        if BLOCK_T == 2:
             af = a.to(tl.float32)
-            xa0 = tl.sum(tl.sum(af * x0[None, :, :], axis=2), axis=1).to(rows_ptr.dtype.element_ty).to(tl.float32)
-            xa1 = tl.sum(tl.sum(af * x1[None, :, :], axis=2), axis=1).to(rows_ptr.dtype.element_ty).to(tl.float32)
-            if TIMING:
-                if (t_first == t0) & (tl.sum(xa0 + xa1) != 3.25e38):  # once A and x are in
-                    tl.store(times_ptr + p * 8 + 2, _now())
+            xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+            xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+            xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
+            xa1 = xa1.to(rty).to(tl.float32)
+            _stamp_after(xa0 + xa1, first, times_ptr, p * 8 + 2, TIMING)
             bf = b.to(tl.float32)
-            d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                                 # [MBP, CB]
+            d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
             d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
-            if TIMING:
-                if (t_first == t0) & (tl.sum(d0 + d1) != 3.25e38):  # once B is in
-                    tl.store(times_ptr + p * 8 + 3, _now())
+            _stamp_after(d0 + d1, first, times_ptr, p * 8 + 3, TIMING)
             tl.atomic_add(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mask=mb < MB, sem="relaxed")
             tl.atomic_add(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
                           mask=(t_first + 1 < t1) & (mb < MB), sem="relaxed")
-    else:
-        tt = tl.arange(0, BLOCK_T)[:, None, None]
-        for t_first in range(t0, t1, BLOCK_T):
-            # the step's x in the same trip as the rows (loads do not pass the adds below), then its
-            # tokens one by one (row k taken within each thread: the token axis is not split)
-            x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
-                            mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
+        else:
             for k in tl.static_range(BLOCK_T):
-                t = t_first + k
-                t_live = t < t1
-                xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                      # [MAP, CA]
-                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1)  # [RC]
-                xa = xa.to(rows_ptr.dtype.element_ty).to(tl.float32)
-                if TIMING and k == 0:
-                    if (t_first == t0) & (tl.sum(xa) != 3.25e38):  # once A and x are in
-                        tl.store(times_ptr + p * 8 + 2, _now())
-                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)   # [MBP, CB]
-                if TIMING and k == 0:
-                    if (t_first == t0) & (tl.sum(d) != 3.25e38):  # once B is in
-                        tl.store(times_ptr + p * 8 + 3, _now())
-                tl.atomic_add(y_ptr + t * FOUT + yk, d.to(y_ptr.dtype.element_ty), mask=t_live & (mb < MB),
-                              sem="relaxed")
+                xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
+                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1).to(rty).to(tl.float32)
+                if k == 0:
+                    _stamp_after(xa, first, times_ptr, p * 8 + 2, TIMING)
+                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
+                if k == 0:
+                    _stamp_after(d, first, times_ptr, p * 8 + 3, TIMING)
+                tl.atomic_add(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
+                              mask=(t_first + k < t1) & (mb < MB), sem="relaxed")
 
 
 @triton.jit
@@ -374,7 +310,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          JOINT: tl.constexpr = 0, HALVES: tl.constexpr = 0, TIMING: tl.constexpr = 0):
+                          TIMING: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -388,12 +324,12 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
     _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
-                    W, CA, MA, MAP, CB, MB, MBP, JOINT, HALVES, TIMING)
+                    W, CA, MA, MAP, CB, MB, MBP, TIMING)
     total = tl.load(total_ptr)
     units = 1
     for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
         _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
-                        FOUT, W, CA, MA, MAP, CB, MB, MBP, JOINT, HALVES, 0)
+                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0)
         units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())

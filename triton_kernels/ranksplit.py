@@ -52,15 +52,14 @@ BLOCKS = {
     # rank_rows: RC, the rank rows of one adapter a program owns (a power of two); num_warps: its
     # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8); block_t: tokens
     # a step of its token loop; group_t: most tokens of one slot a unit takes (a multiple of
-    # block_t); max_programs: programs a launch at most (132: the H200's SMs); joint: a step's
-    # tokens in one product each (one cross-warp reduction a step), else token by token (at block_t 2:
-    # both xa, then both deltas); halves (block_t 2, not joint): a unit's rank rows as two halves,
-    # the second's loads issued before the first's products, which then overlap their arrival.
+    # block_t); max_programs: programs a launch at most (132: the H200's SMs). (Lost on the H200 at
+    # issue 4's point and removed, session 27: a step's tokens in one 4-D product, 13.0 µs; a unit's
+    # rows in two halves whose second's loads precede the first's products, 12.3; against 11.4-11.6.)
     # decode: the engine's decode steps take the kernel (paged.ranksplit_plans) where their slot
     # bucket is within [min_slots, max_slots] and jax-triton runs. H200, llama-7b, B 64 (session 27):
     # the step -5.8% at 32 adapters, -2% at 64, +2% at 8 (too few units to fill the GPU).
     "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
-                      joint=False, halves=False, decode=True, min_slots=16, max_slots=64),
+                      decode=True, min_slots=16, max_slots=64),
 }
 
 
@@ -172,13 +171,10 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
         raise ValueError(f"ranksplit table shapes {arid.shape}, {brid.shape} are not plan's for in {fin}, "
                          f"out {fout}, width {width}, rank_rows {s['rank_rows']}")
     n_programs = max(1, min(meta.shape[0], s["max_programs"]))
-    if s["halves"] and (s["block_t"] != 2 or s["joint"] or s["rank_rows"] < 2):
-        raise ValueError(f'BLOCKS["ranksplit"]: halves needs block_t 2, rank_rows >= 2 and not joint: {s}')
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, JOINT=int(s["joint"]), HALVES=int(s["halves"]),
-                 TIMING=int(timing))
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing))
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
