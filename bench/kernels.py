@@ -31,6 +31,10 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            programs of a token block sharing its shrink through partial planes and counters in
            global memory (BLOCKS["coop"] there); its schedule built on the host (coop_schedule).
            n/a where triton is
+  ranksplit triton_kernels.ranksplit into a zero y: one launch, a program per 8 rank rows of an
+           adapter doing its share of the shrink and of the expand, vector atomic adds into y; its
+           table built on the host (plan); settings by --lora-blocks '{"ranksplit": {...}}'. n/a
+           without jax-triton or where a row is not a power-of-two count of chunks (MLP at W 4096)
 
 Inputs: one pool of rows [N, W] per module shape (bf16, random normal, larger than L2); each adapter
 is a set of rows at random positions of it (the A^T and B rows the engine's layout puts there); the
