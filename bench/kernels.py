@@ -784,9 +784,10 @@ def main() -> None:
     if args.lora_blocks:
         for kind, over in json.loads(args.lora_blocks).items():
             if kind == "ranksplit":  # triton_kernels/ranksplit.py's settings
-                if not set(over) <= set(ranksplit.BLOCKS[kind]):
-                    raise SystemExit(f"--lora-blocks: unknown key in {over}; ranksplit.BLOCKS = {ranksplit.BLOCKS}")
-                ranksplit.BLOCKS[kind] = {**ranksplit.BLOCKS[kind], **over}
+                try:
+                    ranksplit.set_blocks({kind: over})
+                except ValueError as e:
+                    raise SystemExit(f"--lora-blocks: {e}") from None
                 continue
             if kind not in lora_kernels.BLOCKS or not set(over) <= set(lora_kernels.BLOCKS[kind]):
                 raise SystemExit(f"--lora-blocks: unknown {kind} or key in {over}; "

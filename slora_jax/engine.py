@@ -896,13 +896,19 @@ class Engine:
                                     self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])
                 if bt != block_t:
                     shrink_bt[name] = bt
-        schedules = self._schedules(ranks, seg_starts, t, backend, group, block_t, self.opts.max_lora_rank, shrink_bt)
-        if decode and backend == "pallas" and self.tp is None and BLOCKS["onetrip"]["decode"]:
-            schedules.update(paged.onetrip_plans(rows, ranks, seg_starts, t, self.cfg, group, self.opts.max_lora_rank))
+        split = {}  # the rank-split kernel's tables; the modules it serves need no pair schedules
         if decode and backend in ("pallas", "triton") and self.tp is None and paged.ranksplit.decode_takes(len(seg_starts) - 1):
-            schedules = dict(schedules or {})
-            schedules.update(paged.ranksplit_plans(rows, ranks, seg_starts, t, self.cfg, self.opts.max_lora_rank,
-                                                   self.dtype))
+            split = paged.ranksplit_plans(rows, ranks, seg_starts, t, self.cfg, self.opts.max_lora_rank, self.dtype)
+        served = {m for m in ranks if "ranksplit:" + m in split}
+        if not served >= {m for m in ranks if m in paged.QKV}:  # the pair's grouped q/k/v shrink keeps them all
+            served -= set(paged.QKV)
+        pair = {m: r for m, r in ranks.items() if m not in served}
+        schedules = self._schedules(pair, seg_starts, t, backend, group, block_t, self.opts.max_lora_rank, shrink_bt)
+        if decode and backend == "pallas" and self.tp is None and BLOCKS["onetrip"]["decode"]:
+            schedules.update(paged.onetrip_plans({m: rows[m] for m in pair}, pair, seg_starts, t, self.cfg, group,
+                                                 self.opts.max_lora_rank))
+        if split:
+            schedules = {**(schedules or {}), **split}
         rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
         return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
                                 max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,

@@ -30,9 +30,10 @@ two-kernel pair stores it. The atomic adds make y's last bits depend on the orde
 one adapter finish in (as every split-K kernel's do); in float32 that is ~1e-7 relative.
 
 Where: any module whose A^T and B rows fall in chunks of C >= 16 elements that never straddle a
-pool row (C the largest power of two dividing both the pool width W and the row's length; a row of
-M chunks is a tile of M rounded up to a power of two, the rest masked): q, k, v and o of llama-family
-models at any GQA ratio hold whole chunks of C = W. y must be float32, or bfloat16 on sm_90 (the
+pool row (C the largest power of two dividing both the pool width W and the row's length). A row of
+M chunks is a tile of M rounded up to a power of two, the rest masked; the engine and kernels.py
+take only rows whose M is a power of two (`applies`): q, k, v and o of llama-family models at any
+GQA ratio hold whole chunks of C = W. y must be float32, or bfloat16 on sm_90 (the
 bf16 vector atomics). Reference: lora.py's lora_shrink_reference then lora_expand_reference on the
 same slots (tests/test_ranksplit.py: under Triton's interpreter on the CPU, and compiled on a GPU).
 """
@@ -178,7 +179,7 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
-def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int, interpret=None):
+def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int):
     """What the kernel computes, in jnp, from the same table: for each live unit, its tokens' x times
     its A^T rows (float32 sums, rounded to the pool's dtype), times its B rows, added into y. The
     table's check against lora.py's references and the kernel's stand-in off the GPU
