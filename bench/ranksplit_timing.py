@@ -12,11 +12,19 @@ each phase's spread over the live programs.
 The timed launch is the last of --calls. The stamps add a few instructions and two reductions a
 program: compare spans with the untimed kernel's device time (bench/kernels.py --lora-variants
 ranksplit), not absolute.
+
+    python bench/ranksplit_timing.py --probe [--probe-blocks 'JSON JSON ...'] --out probe.json
+
+--probe times the untimed kernel instead (device µs of its launches, over --sets input sets in
+turn so the rows come from HBM, not L2) for each setting in --probe-blocks and, at each, its probes
+(ranksplit.PROBES: plain stores for the atomic adds, no output at all, programs that end after
+their first entry): where the launch's time goes, by difference, in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -28,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.coop_timing import inputs  # noqa: E402
+from bench.device_trace import traced  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from triton_kernels import lora as tk  # noqa: E402
 from triton_kernels import ranksplit as rs  # noqa: E402
@@ -50,6 +59,51 @@ def summarize(times: np.ndarray, meta: np.ndarray) -> dict:
                           for k, d in phases.items()}}
 
 
+def probe(a) -> dict:
+    """Device µs a launch (median over rounds of --sets launches) of each setting and its probes."""
+    fin = 4096
+    sets = []
+    for k in range(a.sets):
+        (y, x, pool, a_idx, b_idx, _, _), ranks, seg = inputs(a.tokens, a.adapters, fin, seed=k)
+        sets.append((y, x, pool, a_idx, b_idx, ranks, seg))
+    out = {"commit": git_commit(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "command": " ".join(sys.argv), "tokens": a.tokens, "adapters": a.adapters, "sets": a.sets,
+           "settings": []}
+    defaults = dict(rs.BLOCKS["ranksplit"])
+    for blocks in a.probe_blocks.split():
+        rs.BLOCKS["ranksplit"] = dict(defaults)
+        rs.set_blocks(blocks)
+        tables = [tuple(map(jnp.asarray, rs.plan(r, np.asarray(ai), np.asarray(bi), sg, a.tokens, fin=fin, fout=fin,
+                                                  width=fin, max_rank=64)))
+                  for (_, _, _, ai, bi, r, sg) in sets]
+        row = {"blocks": blocks, "live_units": int(tables[0][0][0]), "probes": {}}
+        for name in rs.PROBES:
+            f = jax.jit(functools.partial(rs._apply, fin=fin, fout=fin, settings=rs._frozen(), probe=name))
+            try:
+                outs = [f(s[0], s[1], s[2], t) for s, t in zip(sets, tables)]
+                jax.block_until_ready(outs)
+                if name == "":
+                    want = rs.ranksplit_reference(sets[0][0], sets[0][1], sets[0][2], tables[0], fin=fin, fout=fin)
+                    err = float(jnp.max(jnp.abs(outs[0].astype(jnp.float32) - want.astype(jnp.float32)))
+                                / jnp.max(jnp.abs(want.astype(jnp.float32))))
+                    row["rel_err"] = err
+                for _ in range(3):
+                    jax.block_until_ready([f(s[0], s[1], s[2], t) for s, t in zip(sets, tables)])
+                per = []
+                for _ in range(a.rounds):
+                    with traced() as events:
+                        jax.block_until_ready([f(s[0], s[1], s[2], t) for s, t in zip(sets, tables)])
+                    mine = [float(e["dur"]) for e in events if "ranksplit" in e.get("name", "")]
+                    per.append(sum(mine) / max(len(mine), 1))
+                row["probes"][name or "kernel"] = round(float(np.median(per)), 2)
+            except Exception as e:  # noqa: BLE001 - a probe that fails to build is reported, the rest go on
+                row["probes"][name or "kernel"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        out["settings"].append(row)
+    rs.BLOCKS["ranksplit"] = defaults
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -57,9 +111,18 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--blocks", default=None, help='JSON merged into ranksplit.BLOCKS, e.g. {"ranksplit": {"rank_rows": 4}}')
     ap.add_argument("--out", default=None)
+    ap.add_argument("--probe", action="store_true", help="device time of each --probe-blocks setting and its probes")
+    ap.add_argument("--probe-blocks", default="{}", help="space-separated JSON settings (--probe)")
+    ap.add_argument("--sets", type=int, default=6, help="input sets taken in turn (--probe)")
+    ap.add_argument("--rounds", type=int, default=5, help="traced rounds of --sets launches (--probe)")
     a = ap.parse_args()
     if tk.unavailable_reason():
         raise SystemExit(f"ranksplit_timing: {tk.unavailable_reason()}")
+    if a.probe:
+        res = probe(a)
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     rs.set_blocks(a.blocks)
     fin = 4096
     (y, x, pool, a_idx, b_idx, ranks_j, seg_j), ranks, seg = inputs(a.tokens, a.adapters, fin)

@@ -249,10 +249,23 @@ def _stamp_after(v, when, times_ptr, slot, TIMING: tl.constexpr):
 
 
 @triton.jit
+def _add_into(ptr, v, mask, ADDS: tl.constexpr):
+    """v into y at ptr: ADDS 0, relaxed vector atomic adds (the kernel); the probes of where the
+    time goes (bench/ranksplit_timing.py --probe; wrong wherever units share y rows): 1, plain
+    stores; 2, nothing written (a store behind a condition that never holds keeps v computed)."""
+    if ADDS == 0:
+        tl.atomic_add(ptr, v, mask=mask, sem="relaxed")
+    elif ADDS == 1:
+        tl.store(ptr, v, mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask & (v == 3.25e38))
+
+
+@triton.jit
 def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
                     BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
                     CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
-                    MBP: tl.constexpr, TIMING: tl.constexpr):
+                    MBP: tl.constexpr, TIMING: tl.constexpr, ADDS: tl.constexpr):
     """Unit u: its table entry, then all of its rows and a step's x in one trip, then per step of
     BLOCK_T tokens their xa and deltas, added into y. At BLOCK_T 2 (decode's pairs) both tokens' xa
     come before both deltas; else a token at a time. A dead unit (n = 0: past the live total) reads
@@ -289,9 +302,9 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
             d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
             d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
             _stamp_after(d0 + d1, first, times_ptr, p * 8 + 3, TIMING)
-            tl.atomic_add(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mask=mb < MB, sem="relaxed")
-            tl.atomic_add(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
-                          mask=(t_first + 1 < t1) & (mb < MB), sem="relaxed")
+            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, ADDS)
+            _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
+                      (t_first + 1 < t1) & (mb < MB), ADDS)
         else:
             for k in tl.static_range(BLOCK_T):
                 xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
@@ -301,8 +314,8 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
                 d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
                 if k == 0:
                     _stamp_after(d, first, times_ptr, p * 8 + 3, TIMING)
-                tl.atomic_add(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
-                              mask=(t_first + k < t1) & (mb < MB), sem="relaxed")
+                _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
+                          (t_first + k < t1) & (mb < MB), ADDS)
 
 
 @triton.jit
@@ -310,7 +323,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          TIMING: tl.constexpr = 0):
+                          TIMING: tl.constexpr = 0, ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -319,17 +332,22 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     entry); xa stays in registers, rounded to the pool's dtype as the two-kernel pair stores it.
     TIMING (bench/ranksplit_timing.py): times [programs, 8] int32 gets the global timer (_now) at the
     program's start, once its first entry is read, once its first xa and its first delta are computed,
-    at its end, then its SM and its unit count."""
+    at its end, then its SM and its unit count. ADDS (_add_into) and EMPTY (a program reads its
+    first entry and ends) are probes of the launch's cost, never the engine's."""
     p = tl.program_id(0)
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
+    if EMPTY:
+        n = tl.load(meta_ptr + p * 4 + 2)
+        tl.store(y_ptr + tl.arange(0, 2), tl.zeros([2], y_ptr.dtype.element_ty), mask=tl.arange(0, 2) < n - 1000)
+        return
     _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
-                    W, CA, MA, MAP, CB, MB, MBP, TIMING)
+                    W, CA, MA, MAP, CB, MB, MBP, TIMING, ADDS)
     total = tl.load(total_ptr)
     units = 1
     for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
         _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
-                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0)
+                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0, ADDS)
         units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())

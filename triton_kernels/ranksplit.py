@@ -159,10 +159,15 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
     return np.array([u], np.int32), meta, rids(a_rows, fin, ca, ma), rids(b_rows, fout, cb, mb)
 
 
-def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False):
+PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "empty": (0, 1)}
+
+
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = ""):
     """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
     which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
-    int32 with timing, else one unused entry). table: plan's four arrays."""
+    int32 with timing, else one unused entry). table: plan's four arrays. probe (PROBES; bench/
+    ranksplit_timing.py --probe only, its y is wrong): "stores", plain stores for the atomic adds;
+    "no_adds", nothing written; "empty", each program reads its first entry and ends."""
     s = settings or BLOCKS["ranksplit"]
     width = rows.shape[1]
     total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
@@ -175,7 +180,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing))
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing), ADDS=PROBES[probe][0],
+                 EMPTY=PROBES[probe][1])
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
 
@@ -223,14 +229,14 @@ def _frozen() -> tuple:
     return tuple(sorted(BLOCKS["ranksplit"].items()))
 
 
-@functools.partial(jax.jit, static_argnames=("fin", "fout", "settings", "timing"))
-def _apply(y, x, rows, table, *, fin, fout, settings, timing=False):
-    """y after the launch; with timing, (y, times [programs, 8])."""
+@functools.partial(jax.jit, static_argnames=("fin", "fout", "settings", "timing", "probe"))
+def _apply(y, x, rows, table, *, fin, fout, settings, timing=False, probe=""):
+    """y after the launch; with timing, (y, times [programs, 8]). probe: launch_args'."""
     import jax_triton
     from triton_kernels import _lora_tl
 
     arrays, const, grid, opts = launch_args(y, x, rows, table, fin=fin, fout=fout, settings=dict(settings),
-                                            timing=timing)
+                                            timing=timing, probe=probe)
     outs = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct((grid[0], 8) if timing else (1,), jnp.int32))
     y, times = jax_triton.triton_call(*arrays, kernel=_lora_tl.lora_ranksplit_kernel, out_shape=outs, grid=grid,
                                       name="lora_ranksplit_triton", input_output_aliases={len(arrays) - 1: 0},
