@@ -105,6 +105,48 @@ def test_plan_covers_every_rank_row_once(name, setting):
     assert arid.shape[1] == mpa
 
 
+def test_engine_tables_are_cached_by_their_inputs():
+    """paged.ranksplit_plans gives the tables plan builds, reuses them while a step's inputs repeat
+    (a decode batch that keeps its slots), and builds afresh when rows, ranks, tokens or settings change."""
+    from slora_jax import paged
+    from slora_jax.config import load_model_config
+    cfg = load_model_config("llama-7b")
+    rng = np.random.default_rng(seed_of("plans-cache"))
+    n, t = 16, 32
+    ranks = rng.choice([8, 16, 32, 64], n).astype(np.int32)
+    seg = np.arange(n + 1, dtype=np.int32) * (t // n)
+    rows = {m: (rng.integers(0, 5000, (n, 64)).astype(np.int32), rng.integers(0, 5000, (n, 64)).astype(np.int32))
+            for m in ("q_proj", "o_proj")}
+    rk = {m: ranks for m in rows}
+    first = paged.ranksplit_plans(rows, rk, seg, t, cfg, 64, jnp.bfloat16)
+    for m, (a, b) in rows.items():
+        want = rs.plan(ranks, a, b, seg, t, fin=4096, fout=4096, width=cfg.kv_size, max_rank=64)
+        for got, w in zip(first["ranksplit:" + m], want):
+            np.testing.assert_array_equal(got, w)
+    again = paged.ranksplit_plans({m: (a.copy(), b.copy()) for m, (a, b) in rows.items()}, rk, seg.copy(), t, cfg,
+                                  64, jnp.bfloat16)
+    assert all(again[k] is first[k] for k in first)                 # equal inputs: the same tables
+    with pytest.raises(ValueError):
+        first["ranksplit:q_proj"][1][0, 0] = 1                          # shared, so read-only
+    moved = {m: (a.copy(), b.copy()) for m, (a, b) in rows.items()}
+    moved["q_proj"][0][0, 0] += 1                                       # one A^T row moved in the pool
+    changed = paged.ranksplit_plans(moved, rk, seg, t, cfg, 64, jnp.bfloat16)
+    assert changed["ranksplit:o_proj"] is first["ranksplit:o_proj"]
+    assert changed["ranksplit:q_proj"][2][0, 0, 0] == first["ranksplit:q_proj"][2][0, 0, 0] + 1
+    seg2 = seg.copy()
+    seg2[1:] -= 1                                                        # slot 0 holds one token fewer
+    seg2[0] = 0
+    fewer = paged.ranksplit_plans(rows, rk, seg2, t, cfg, 64, jnp.bfloat16)
+    assert fewer["ranksplit:o_proj"][1][0, 1] == first["ranksplit:o_proj"][1][0, 1] - 1
+    saved = dict(rs.BLOCKS["ranksplit"])
+    try:
+        rs.set_blocks({"ranksplit": {"rank_rows": 4}})
+        other = paged.ranksplit_plans(rows, rk, seg, t, cfg, 64, jnp.bfloat16)
+        assert other["ranksplit:q_proj"][2].shape[2] == 4
+    finally:
+        rs.BLOCKS["ranksplit"] = saved
+
+
 def test_applies():
     assert rs.applies(4096, 4096, 4096, jnp.bfloat16) and rs.applies(4096, 4096, 1024, jnp.float32)
     assert rs.applies(4096, 11008, 4096, padded=True)       # 43 chunks of 256, a tile of 64
