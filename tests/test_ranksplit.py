@@ -188,8 +188,9 @@ class TestInterpreter:
 
 def test_compiles_for_h200(tmp_path):
     """The kernel for sm_90 down to a cubin on the CPU (tests/triton_compile.py): issue 4's shape
-    (4096 -> 4096, W 4096) in every form (timing stamps included), GQA's k/v (4096 -> 1024), llama-7b's
-    MLP (11008: 43 chunks a row, padded to 64), y bf16 and float32."""
+    (4096 -> 4096, W 4096) in every form (timing stamps included) and with each probe of
+    bench/ranksplit_timing.py --probe, GQA's k/v (4096 -> 1024), llama-7b's MLP (11008: 43 chunks a
+    row, padded to 64), y bf16 and float32."""
     py = interpreter_python()
     if py is None:
         pytest.skip("no Python with triton and torch (set SLORA_TRITON_PYTHON)")
@@ -198,7 +199,8 @@ def test_compiles_for_h200(tmp_path):
              ((4096, 4096), jnp.bfloat16, SETTINGS["tokenwise"], True), ((4096, 4096), jnp.float32, SETTINGS["tokenwise4"], False),
              ((4096, 1024), jnp.float32, SMALL, False), ((4096, 11008), jnp.bfloat16, DEFAULT, False),
              ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False)]
-    for (fin, fout), ydt, s, timing in forms:
+    forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, DEFAULT, False, p) for p in rs.PROBES if p]
+    for (fin, fout), ydt, s, timing, probe in forms:
         t, sa = 64, 32
         ranks = np.array([(8, 16, 32, 64)[k % 4] for k in range(sa)], np.int32)
         seg = np.arange(sa + 1, dtype=np.int32) * (t // sa)
@@ -207,7 +209,7 @@ def test_compiles_for_h200(tmp_path):
         table = rs.plan(ranks, a_rows, b_rows, seg, t, fin=fin, fout=fout, width=4096, max_rank=64, settings=s)
         arrays, const, _, options = rs.launch_args(jnp.zeros((t, fout), ydt), jnp.zeros((t, fin), jnp.bfloat16),
                                                    jnp.zeros((8, 4096), jnp.bfloat16), table, fin=fin,
-                                                   fout=fout, settings=s, timing=timing)
+                                                   fout=fout, settings=s, timing=timing, probe=probe)
         types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays] + [_TRITON_TYPE[jnp.dtype(ydt)], "*i32"]
         jobs.append(dict(kernel="lora_ranksplit_kernel", const=const, options=options,
                          dtypes=dict(zip(PTR_ARGS_RS, types))))

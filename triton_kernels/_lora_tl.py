@@ -249,16 +249,17 @@ def _stamp_after(v, when, times_ptr, slot, TIMING: tl.constexpr):
 
 
 @triton.jit
-def _add_into(ptr, v, mask, ADDS: tl.constexpr):
+def _add_into(ptr, v, mask, never, ADDS: tl.constexpr):
     """v into y at ptr: ADDS 0, relaxed vector atomic adds (the kernel); the probes of where the
     time goes (bench/ranksplit_timing.py --probe; wrong wherever units share y rows): 1, plain
-    stores; 2, nothing written (a store behind a condition that never holds keeps v computed)."""
+    stores; 2 and 3, nothing written (`never`, a condition the compiler cannot fold, keeps v
+    computed)."""
     if ADDS == 0:
         tl.atomic_add(ptr, v, mask=mask, sem="relaxed")
     elif ADDS == 1:
         tl.store(ptr, v, mask=mask)
     else:
-        tl.store(ptr, v, mask=mask & (v == 3.25e38))
+        tl.store(ptr, v, mask=mask & never)
 
 
 @triton.jit
@@ -276,6 +277,7 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
     n = tl.load(rec + 2)
     j = tl.load(rec + 3) + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
+    never = n > 1 << 20  # (the probes' store condition: n <= RC always)
     a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
     b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
     if TIMING:
@@ -291,7 +293,10 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
         x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
                         mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
         first = t_first == t0
-        if BLOCK_T == 2:
+        if ADDS == 3:  # the reads-only probe: every load kept, almost no arithmetic
+            v = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0) + tl.sum(x_all, axis=0)
+            _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+        elif BLOCK_T == 2:
             af = a.to(tl.float32)
             xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
             xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
@@ -302,9 +307,9 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
             d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
             d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
             _stamp_after(d0 + d1, first, times_ptr, p * 8 + 3, TIMING)
-            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, ADDS)
+            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
             _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
-                      (t_first + 1 < t1) & (mb < MB), ADDS)
+                      (t_first + 1 < t1) & (mb < MB), never, ADDS)
         else:
             for k in tl.static_range(BLOCK_T):
                 xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
@@ -315,7 +320,7 @@ def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, tim
                 if k == 0:
                     _stamp_after(d, first, times_ptr, p * 8 + 3, TIMING)
                 _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
-                          (t_first + k < t1) & (mb < MB), ADDS)
+                          (t_first + k < t1) & (mb < MB), never, ADDS)
 
 
 @triton.jit

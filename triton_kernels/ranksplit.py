@@ -159,7 +159,7 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
     return np.array([u], np.int32), meta, rids(a_rows, fin, ca, ma), rids(b_rows, fout, cb, mb)
 
 
-PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "empty": (0, 1)}
+PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "reads_only": (3, 0), "empty": (0, 1)}
 
 
 def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = ""):
@@ -167,7 +167,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
     int32 with timing, else one unused entry). table: plan's four arrays. probe (PROBES; bench/
     ranksplit_timing.py --probe only, its y is wrong): "stores", plain stores for the atomic adds;
-    "no_adds", nothing written; "empty", each program reads its first entry and ends."""
+    "no_adds", nothing written; "reads_only", every load but almost no arithmetic (at MAP == MBP,
+    CA == CB only); "empty", each program reads its first entry and ends."""
     s = settings or BLOCKS["ranksplit"]
     width = rows.shape[1]
     total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
