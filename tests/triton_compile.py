@@ -3,12 +3,23 @@ front end, optimiser and the ptxas it ships, no GPU and no JAX. What the interpr
 (types, layouts, loop bounds, shared memory) fails here. tests/test_triton_kernels.py runs it:
 
   python tests/triton_compile.py JOBS.json      # [{"kernel", "dtypes": {arg: "*bf16"}, "const"}]
+
+A job with "sass": true is compiled as jax-triton builds it (every pointer declared 16-byte
+aligned, tt.divisibility 16) and gets one more line, "sass {json}": its registers, spills, shared
+memory and instruction counts by opcode from the cubin (cuobjdump, nvdisasm: Triton ships both);
+bench/ranksplit_sass.py prints those. Without it the pointers carry no alignment, so vector
+atomics and 16-byte gathers compile to narrower forms than run on the GPU.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,10 +37,29 @@ def main(jobs_path: str) -> None:
         names = fn.arg_names
         signature = {n: job["dtypes"].get(n, "constexpr") for n in names}
         constexprs = {(names.index(k),): v for k, v in job["const"].items()}
-        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in job["dtypes"]} if job.get("sass") else None
+        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32), options=job["options"])
         print(job["kernel"], job["const"].get("F32_DOT"), "shared", kernel.metadata.shared,
               "cubin", len(kernel.asm["cubin"]), flush=True)
+        if job.get("sass"):
+            print("sass", json.dumps({"name": job.get("name", job["kernel"]), "shared": kernel.metadata.shared,
+                                      **sass_summary(kernel.asm["cubin"])}), flush=True)
+
+
+def sass_summary(cubin: bytes) -> dict:
+    """Registers, spill bytes and instruction counts by opcode (whole kernel) of a cubin."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(cubin)
+        res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    regs = re.search(r"REG:(\d+)", res)
+    spill = re.search(r"STACK:(\d+)", res)
+    return {"registers": int(regs.group(1)) if regs else None, "stack_bytes": int(spill.group(1)) if spill else None,
+            "instructions": len(ops), "opcodes": dict(collections.Counter(ops).most_common())}
 
 
 if __name__ == "__main__":
