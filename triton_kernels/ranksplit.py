@@ -19,15 +19,19 @@ for 128 KB of rows read).
 Units. The host builds the table with the step's inputs (`plan`): a unit is (up to group_t tokens of
 one slot, RC rank rows of its adapter), with its tokens, its count of live rows, its first rank row
 and the pool rows of its A^T rows and B rows. Programs walk units p, p + P, ... below the live total
-(P <= max_programs, about one program an SM at the defaults: a program of 16 warps holds its 8 rank
-rows' 128 KB of A^T and B in registers). A unit loops over its tokens block_t at a time with its
+(P <= max_programs; at the defaults a program of 8 warps holds its 4 rank rows' 64 KB of A^T and B
+in registers, one program an SM at a time, two waves of 132 at most). A unit loops over its tokens block_t at a time with its
 rows held, so an adapter's rows are read once for up to group_t tokens of its slot; base tokens and
 empty slots have no units; padding is bounded by one unit's RC rows (rows past the rank are masked:
 no traffic, no products that count).
 
 Precision: products and sums in float32; xa is rounded to the pool's dtype before the expand, as the
 two-kernel pair stores it. The atomic adds make y's last bits depend on the order the programs of
-one adapter finish in (as every split-K kernel's do); in float32 that is ~1e-7 relative.
+one adapter finish in (as every split-K kernel's do); in float32 that is ~1e-7 relative. In a bf16 y
+each of an adapter's ceil(r / RC) adds rounds: at issue 4's point the largest error against the
+XLA reference is 1.2e-2 of y's largest value at RC 4 and 7.8e-3 at RC 8, against 8e-4 for the
+pair, which rounds once (bench/kernels.py, sessions 27-28). test_parity passes through it on the
+H200.
 
 Where: any module whose A^T and B rows fall in chunks of C >= 16 elements that never straddle a
 pool row (C the largest power of two dividing both the pool width W and the row's length). A row of
@@ -51,7 +55,8 @@ from pallas_kernels.lora import _merge_blocks
 
 BLOCKS = {
     # rank_rows: RC, the rank rows of one adapter a program owns (a power of two); num_warps: its
-    # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8); block_t: tokens
+    # warps (16 x 32 threads x 128 registers fills an SM's 64K registers at RC 8; RC 4 in 8 warps
+    # takes 170 registers a thread, one program an SM resident at a time); block_t: tokens
     # a step of its token loop; group_t: most tokens of one slot a unit takes (a multiple of
     # block_t); max_programs: programs a launch at most (132: the H200's SMs). (Lost on the H200 at
     # issue 4's point and removed, session 27: a step's tokens in one 4-D product, 13.0 µs; a unit's
@@ -59,7 +64,11 @@ BLOCKS = {
     # decode: the engine's decode steps take the kernel (paged.ranksplit_plans) where their slot
     # bucket is within [min_slots, max_slots] and jax-triton runs. H200, llama-7b, B 64 (session 27):
     # the step -5.8% at 32 adapters, -2% at 64, +2% at 8 (too few units to fill the GPU).
-    "ranksplit": dict(rank_rows=8, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=132,
+    # Session 28: rank_rows 4 in 8 warps, two programs an SM (264), replaced 8 in 16 warps (132):
+    # ~1700 warp instructions a rank row against ~2100 and no spills (bench/ranksplit_sass.py);
+    # issue 4's point 10.15-10.6 µs against 11.3-11.6 (five runs), the llama-7b B 64 x 32 decode
+    # step 11.62 ms against 12.06 (LoRA kernels 1.270 against 1.445 ms).
+    "ranksplit": dict(rank_rows=4, num_warps=8, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       decode=True, min_slots=16, max_slots=64),
 }
 
