@@ -44,8 +44,8 @@ def job(name: str, settings: dict, probe: str = "", t: int = 64, n: int = 32, fi
     arrays, const, _, options = rs.launch_args(jnp.zeros((t, fin), jnp.bfloat16), jnp.zeros((t, fin), jnp.bfloat16),
                                                jnp.zeros((8, fin), jnp.bfloat16), table, fin=fin, fout=fin,
                                                settings=settings, probe=probe)
-    kinds = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.int32): "*i32"}
-    types = [kinds[jnp.dtype(a.dtype)] for a in arrays] + ["*bf16", "*i32"]
+    from test_triton_kernels import _TRITON_TYPE
+    types = [_TRITON_TYPE[jnp.dtype(a.dtype)] for a in arrays] + ["*bf16", "*i32"]
     return dict(name=name, kernel="lora_ranksplit_kernel", const=const, options=options, sass=True,
                 dtypes=dict(zip(PTR_ARGS, types)))
 

@@ -335,12 +335,13 @@ def ranksplit_plans(rows: dict, ranks: dict, seg_starts: np.ndarray, t: int, cfg
     y of `dtype`); pool_lora takes the kernel where these are present. rows / ranks: the step's
     per-module arrays (before stack_qkv)."""
     width, out = cfg.kv_size, {}
-    settings = tuple(sorted(ranksplit.BLOCKS["ranksplit"].items()))
+    step_key = (t, width, max_rank, tuple(sorted(ranksplit.BLOCKS["ranksplit"].items())),
+                np.asarray(seg_starts).tobytes())
     for m, (a_rows, b_rows) in rows.items():
         fin, fout = cfg.module_shape(m)
         if ranksplit.applies(width, fin, fout, dtype):
-            key = (t, fin, fout, width, max_rank, settings, np.asarray(seg_starts).tobytes(),
-                   np.asarray(ranks[m]).tobytes(), np.asarray(a_rows).tobytes(), np.asarray(b_rows).tobytes())
+            key = (step_key, fin, fout, np.asarray(ranks[m]).tobytes(), np.asarray(a_rows).tobytes(),
+                   np.asarray(b_rows).tobytes())
             plan = _SPLIT_PLANS.get(key)
             if plan is None:
                 plan = ranksplit.plan(ranks[m], a_rows, b_rows, seg_starts, t, fin=fin, fout=fout, width=width,
