@@ -19,7 +19,8 @@ ranksplit), not absolute.
 --probe times the untimed kernel instead (device µs of its launches, over --sets input sets in
 turn so the rows come from HBM, not L2) for each setting in --probe-blocks and, at each, its probes
 (ranksplit.PROBES: plain stores for the atomic adds, no output at all, programs that end after
-their first entry): where the launch's time goes, by difference, in one process.
+their first entry): where the launch's time goes, by difference, in one process. --probes kernel
+times the kernel alone: settings side by side in one process.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def probe(a) -> dict:
                                                   width=fin, max_rank=64)))
                   for (_, _, _, ai, bi, r, sg) in sets]
         row = {"blocks": blocks, "live_units": int(tables[0][0][0]), "probes": {}}
-        for name in rs.PROBES:
+        for name in [k for k in rs.PROBES if (k or "kernel") in a.probes.split(",")]:
             f = jax.jit(functools.partial(rs._apply, fin=fin, fout=fin, settings=rs._frozen(), probe=name))
             try:
                 outs = [f(s[0], s[1], s[2], t) for s, t in zip(sets, tables)]
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--probe", action="store_true", help="device time of each --probe-blocks setting and its probes")
     ap.add_argument("--probe-blocks", default="{}", help="space-separated JSON settings (--probe)")
+    ap.add_argument("--probes", default=",".join(k or "kernel" for k in rs.PROBES),
+                    help="comma-separated forms to time at each setting (--probe): kernel and ranksplit.PROBES' names")
     ap.add_argument("--sets", type=int, default=6, help="input sets taken in turn (--probe)")
     ap.add_argument("--rounds", type=int, default=5, help="traced rounds of --sets launches (--probe)")
     a = ap.parse_args()

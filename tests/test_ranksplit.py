@@ -39,7 +39,9 @@ DEFAULT = dict(rs.BLOCKS["ranksplit"])
 SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
 # the two token forms: pairs (block_t 2: the defaults and SMALL), one by one (block_t 1 and 4)
 SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t": 1, "group_t": 3},
-            "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132}}
+            "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132},
+            # the next unit's rows in flight while a unit computes: 2-9 units a program, 2 steps a unit
+            "prefetch": {**SMALL, "prefetch": 1}}
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
 INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small") else (jnp.float32,) for k in SETTINGS}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
@@ -198,7 +200,8 @@ def test_compiles_for_h200(tmp_path):
     forms = [((4096, 4096), jnp.bfloat16, DEFAULT, False), ((4096, 4096), jnp.bfloat16, DEFAULT, True),
              ((4096, 4096), jnp.bfloat16, SETTINGS["tokenwise"], True), ((4096, 4096), jnp.float32, SETTINGS["tokenwise4"], False),
              ((4096, 1024), jnp.float32, SMALL, False), ((4096, 11008), jnp.bfloat16, DEFAULT, False),
-             ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False)]
+             ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False),
+             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 1, "max_programs": 132}, True)]
     forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, DEFAULT, False, p) for p in rs.PROBES if p]
     for (fin, fout), ydt, s, timing, probe in forms:
         t, sa = 64, 32

@@ -227,13 +227,19 @@ def lora_coop_kernel(table_ptr, a_rows_ptr, b_rows_ptr, x_ptr, rows_ptr, _y_in_p
 
 
 @triton.jit
-def _rows_tile(rows_ptr, rid_ptr, u, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
-               M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
-    """[RC, MP, C]: rank rows j's matrix rows (F elements each: M chunks of C, padded to MP) from the
-    pool; rid [U, MP, RC] holds unit u's pool row of each chunk. Rows not live and chunks past M
-    read nothing (0)."""
+def _rids(rid_ptr, u, ok, MP: tl.constexpr, RC: tl.constexpr):
+    """[RC, MP]: unit u's pool row of each chunk of its rank rows' matrix rows (rid [U, MP, RC]); 0
+    where not ok."""
     m = tl.arange(0, MP)
-    rid = tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + tl.arange(0, RC)[:, None])   # [RC, MP]
+    return tl.load(rid_ptr + u * (MP * RC) + m[None, :] * RC + tl.arange(0, RC)[:, None], mask=ok, other=0)
+
+
+@triton.jit
+def _rows_tile(rows_ptr, rid, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
+               M: tl.constexpr, MP: tl.constexpr):
+    """[RC, MP, C]: rank rows j's matrix rows (F elements each: M chunks of C, padded to MP) from the
+    pool rows rid [RC, MP] (_rids). Rows not live and chunks past M read nothing (0)."""
+    m = tl.arange(0, MP)
     off = rid.to(tl.int64) * W + (j[:, None] * F + m[None, :] * C) % W
     off = tl.multiple_of(off, [C, C])  # chunks start C-aligned: 16-byte loads
     mask = live[:, None, None] & (m < M)[None, :, None]
@@ -263,64 +269,96 @@ def _add_into(ptr, v, mask, never, ADDS: tl.constexpr):
 
 
 @triton.jit
-def _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr,
-                    CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr,
-                    MBP: tl.constexpr, TIMING: tl.constexpr, ADDS: tl.constexpr):
-    """Unit u: its table entry, then all of its rows and a step's x in one trip, then per step of
-    BLOCK_T tokens their xa and deltas, added into y. At BLOCK_T 2 (decode's pairs) both tokens' xa
-    come before both deltas; else a token at a time. A dead unit (n = 0: past the live total) reads
-    its entry only. x_all's token axis stays within each thread, so taking a token's row is free."""
+def _unit_entry(u, ok, meta_ptr, arid_ptr, brid_ptr, RC: tl.constexpr, MAP: tl.constexpr, MBP: tl.constexpr):
+    """Unit u's table entry: t0, t1 (its tokens), n (live rank rows), j0 (the first), and the pool
+    rows of its A^T and B chunks ([RC, MAP], [RC, MBP]); a dead unit (n = 0) where not ok."""
     rec = meta_ptr + u * 4
-    t0 = tl.load(rec)
-    t1 = tl.load(rec + 1)
-    n = tl.load(rec + 2)
-    j = tl.load(rec + 3) + tl.arange(0, RC)
+    t0 = tl.load(rec, mask=ok, other=0)
+    t1 = tl.load(rec + 1, mask=ok, other=0)
+    n = tl.load(rec + 2, mask=ok, other=0)
+    j0 = tl.load(rec + 3, mask=ok, other=0)
+    return t0, t1, n, j0, _rids(arid_ptr, u, ok, MAP, RC), _rids(brid_ptr, u, ok, MBP, RC)
+
+
+@triton.jit
+def _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC: tl.constexpr, BLOCK_T: tl.constexpr,
+               FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr,
+               MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr):
+    """A unit's A^T rows [RC, MAP, CA], B rows [RC, MBP, CB] and its first step's x [BLOCK_T, MAP, CA]
+    (the pool's and x's dtypes), in one trip; a dead unit reads nothing."""
+    j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
-    never = n > 1 << 20  # (the probes' store condition: n <= RC always)
-    a = _rows_tile(rows_ptr, arid_ptr, u, j, live, FIN, W, CA, MA, MAP, RC)   # A^T rows [RC, MAP, CA]
-    b = _rows_tile(rows_ptr, brid_ptr, u, j, live, FOUT, W, CB, MB, MBP, RC)  # B rows [RC, MBP, CB]
-    if TIMING:
-        if n >= 0:  # (always: the stamp waits for the entry)
-            tl.store(times_ptr + p * 8 + 1, _now())
-    ma, mb = tl.arange(0, MAP)[:, None], tl.arange(0, MBP)[:, None]
+    a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
+    b = _rows_tile(rows_ptr, rb, j, live, FOUT, W, CB, MB, MBP)
+    return a, b, _x_step(x_ptr, t0, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP)
+
+
+@triton.jit
+def _x_step(x_ptr, t_first, t1, ok, BLOCK_T: tl.constexpr, FIN: tl.constexpr, CA: tl.constexpr,
+            MA: tl.constexpr, MAP: tl.constexpr):
+    """x of tokens t_first .. t_first + BLOCK_T - 1 below t1, as [BLOCK_T, MAP, CA] (0 past them)."""
+    tt = tl.arange(0, BLOCK_T)[:, None, None]
+    ma = tl.arange(0, MAP)[:, None]
     xk = ma * CA + tl.arange(0, CA)[None, :]
+    return tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                   mask=ok & (t_first + tt < t1) & (ma < MA)[None, :, :], other=0)
+
+
+@triton.jit
+def _unit_step(t_first, t1, n, a, b, x_step, y_ptr, times_ptr, slot, first, RC: tl.constexpr, BLOCK_T: tl.constexpr,
+               FOUT: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr,
+               TIMING: tl.constexpr, ADDS: tl.constexpr):
+    """One step of a unit's token loop: tokens t_first .. (BLOCK_T of them, below t1)' xa over the
+    unit's rank rows and their deltas, added into y. At BLOCK_T 2 (decode's pairs) both tokens' xa
+    come before both deltas; else a token at a time. TIMING: the step stamps times[slot + 2, 3] if
+    `first` (the program's first unit's first step). x_step's token axis stays within each thread, so
+    taking a token's row is free."""
+    never = n > 1 << 20  # (the probes' store condition: n <= RC always)
+    mb = tl.arange(0, MBP)[:, None]
     yk = mb * CB + tl.arange(0, CB)[None, :]
     tt = tl.arange(0, BLOCK_T)[:, None, None]
-    rty = rows_ptr.dtype.element_ty
-    for t_first in range(t0, t1, BLOCK_T):
-        # the step's x in the rows' trip (loads do not pass the adds below)
-        x_all = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
-                        mask=(t_first + tt < t1) & (ma < MA)[None, :, :], other=0).to(tl.float32)
-        first = t_first == t0
-        if ADDS == 3:  # the reads-only probe: every load kept, almost no arithmetic
-            v = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0) + tl.sum(x_all, axis=0)
-            _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
-        elif BLOCK_T == 2:
-            af = a.to(tl.float32)
-            xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
-            xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
-            xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
-            xa1 = xa1.to(rty).to(tl.float32)
-            _stamp_after(xa0 + xa1, first, times_ptr, p * 8 + 2, TIMING)
-            bf = b.to(tl.float32)
-            d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
-            d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
-            _stamp_after(d0 + d1, first, times_ptr, p * 8 + 3, TIMING)
-            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
-            _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
-                      (t_first + 1 < t1) & (mb < MB), never, ADDS)
-        else:
-            for k in tl.static_range(BLOCK_T):
-                xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
-                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1).to(rty).to(tl.float32)
-                if k == 0:
-                    _stamp_after(xa, first, times_ptr, p * 8 + 2, TIMING)
-                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
-                if k == 0:
-                    _stamp_after(d, first, times_ptr, p * 8 + 3, TIMING)
-                _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
-                          (t_first + k < t1) & (mb < MB), never, ADDS)
+    rty = a.dtype
+    x_all = x_step.to(tl.float32)
+    if ADDS == 3:  # the reads-only probe: every load kept, almost no arithmetic
+        v = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0) + tl.sum(x_all, axis=0)
+        _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+    elif BLOCK_T == 2:
+        af = a.to(tl.float32)
+        xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+        xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+        xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
+        xa1 = xa1.to(rty).to(tl.float32)
+        _stamp_after(xa0 + xa1, first, times_ptr, slot + 2, TIMING)
+        bf = b.to(tl.float32)
+        d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
+        d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
+        _stamp_after(d0 + d1, first, times_ptr, slot + 3, TIMING)
+        _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+        _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
+                  (t_first + 1 < t1) & (mb < MB), never, ADDS)
+    else:
+        for k in tl.static_range(BLOCK_T):
+            xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
+            xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1).to(rty).to(tl.float32)
+            if k == 0:
+                _stamp_after(xa, first, times_ptr, slot + 2, TIMING)
+            d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
+            if k == 0:
+                _stamp_after(d, first, times_ptr, slot + 3, TIMING)
+            _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
+                      (t_first + k < t1) & (mb < MB), never, ADDS)
+
+
+@triton.jit
+def _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, slot, first, RC: tl.constexpr, BLOCK_T: tl.constexpr,
+                  FIN: tl.constexpr, FOUT: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
+                  CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, TIMING: tl.constexpr, ADDS: tl.constexpr):
+    """A unit's token loop over its rows a, b: the first step on x0 (loaded with the rows), the others
+    loading their x (loads do not pass the adds before them)."""
+    _unit_step(t0, t1, n, a, b, x0, y_ptr, times_ptr, slot, first, RC, BLOCK_T, FOUT, CB, MB, MBP, TIMING, ADDS)
+    for t_first in range(t0 + BLOCK_T, t1, BLOCK_T):
+        x_step = _x_step(x_ptr, t_first, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP)
+        _unit_step(t_first, t1, n, a, b, x_step, y_ptr, times_ptr, slot, False, RC, BLOCK_T, FOUT, CB, MB, MBP, 0, ADDS)
 
 
 @triton.jit
@@ -328,13 +366,17 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          TIMING: tl.constexpr = 0, ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0):
+                          NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
+                          ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
-    J = j0 .. j0 + n - 1): meta [U, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
-    rows from arid [U, MAP, RC], B rows from brid [U, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
-    takes unit p without waiting for the total (the grid is at most U), then p + N_PROGRAMS, ...
-    below it. Every load a unit needs is issued before its first product (one trip after its table
+    J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
+    rows from arid [NU, MAP, RC], B rows from brid [NU, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
+    takes unit p without waiting for the total (the grid is at most NU), then p + N_PROGRAMS, ...
+    below it. A unit's loads are all issued before its first product (one trip after its table
     entry); xa stays in registers, rounded to the pool's dtype as the two-kernel pair stores it.
+    PREFETCH: a program's next unit's rows (and x) are in flight while it computes a unit, and the
+    table entry of the one after that: its loads overlap its arithmetic (two units' rows held).
+    Without it a unit's rows are loaded when the unit before is done.
     TIMING (bench/ranksplit_timing.py): times [programs, 8] int32 gets the global timer (_now) at the
     program's start, once its first entry is read, once its first xa and its first delta are computed,
     at its end, then its SM and its unit count. ADDS (_add_into) and EMPTY (a program reads its
@@ -346,14 +388,38 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
         n = tl.load(meta_ptr + p * 4 + 2)
         tl.store(y_ptr + tl.arange(0, 2), tl.zeros([2], y_ptr.dtype.element_ty), mask=tl.arange(0, 2) < n - 1000)
         return
-    _ranksplit_unit(p, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN, FOUT,
-                    W, CA, MA, MAP, CB, MB, MBP, TIMING, ADDS)
+    t0, t1, n, j0, ra, rb = _unit_entry(p, p < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+    if PREFETCH:
+        u1 = p + N_PROGRAMS
+        t0n, t1n, nn, j0n, ran, rbn = _unit_entry(u1, u1 < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+    a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP, CB, MB, MBP)
+    if TIMING:
+        if n >= 0:  # (always: the stamp waits for the entry)
+            tl.store(times_ptr + p * 8 + 1, _now())
     total = tl.load(total_ptr)
-    units = 1
-    for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
-        _ranksplit_unit(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, times_ptr, p, RC, BLOCK_T, FIN,
-                        FOUT, W, CA, MA, MAP, CB, MB, MBP, 0, ADDS)
-        units += 1
+    units = 0
+    if PREFETCH:
+        for u in range(p, total, N_PROGRAMS):
+            an, bn, x0n = _unit_rows(t0n, t1n, nn, j0n, ran, rbn, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA,
+                                     MAP, CB, MB, MBP)
+            u2 = u + 2 * N_PROGRAMS
+            t0f, t1f, nf, j0f, raf, rbf = _unit_entry(u2, u2 < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+            _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, u == p, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                          CB, MB, MBP, TIMING, ADDS)
+            t0, t1, n, a, b, x0 = t0n, t1n, nn, an, bn, x0n
+            t0n, t1n, nn, j0n, ran, rbn = t0f, t1f, nf, j0f, raf, rbf
+            units += 1
+    else:
+        _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, True, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                      CB, MB, MBP, TIMING, ADDS)
+        units = 1
+        for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
+            t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+            a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP,
+                                  CB, MB, MBP)
+            _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, False, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                          CB, MB, MBP, 0, ADDS)
+            units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())
         tl.store(times_ptr + p * 8 + 5, tl_cuda.smid())

@@ -190,7 +190,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, TIMING=int(timing), ADDS=PROBES[probe][0],
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(s.get("prefetch", 0)),
+                 TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1])
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
 
