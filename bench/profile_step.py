@@ -38,6 +38,7 @@ from bench.engine_bench import (decode_batch, prefill_batch, randomize_pool, reg
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
 from slora_jax import LLM, paged  # noqa: E402
+from triton_kernels import ranksplit  # noqa: E402
 
 KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
     ("lora kernel", ("shrink", "expand", "lora_fused", "ranksplit")),
@@ -288,6 +289,7 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
               "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
               "lora_blocks": lora_kernels.BLOCKS, "slora_lora_blocks": os.environ.get("SLORA_LORA_BLOCKS"),
+              "ranksplit_blocks": ranksplit.BLOCKS["ranksplit"],
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "runs": []}
     result["prefill"] = prefill
