@@ -69,7 +69,7 @@ BLOCKS = {
     # issue 4's point 10.15-10.6 µs against 11.3-11.6 (five runs), the llama-7b B 64 x 32 decode
     # step 11.62 ms against 12.06 (LoRA kernels 1.270 against 1.445 ms).
     "ranksplit": dict(rank_rows=4, num_warps=8, num_stages=1, block_t=2, group_t=8, max_programs=264,
-                      decode=True, min_slots=16, max_slots=64),
+                      prefetch=False, decode=True, min_slots=16, max_slots=64),
 }
 
 
