@@ -41,7 +41,11 @@ SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 
 SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t": 1, "group_t": 3},
             "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132},
             # the next unit's rows in flight while a unit computes: 2-9 units a program, 2 steps a unit
-            "prefetch": {**SMALL, "prefetch": 1}}
+            "prefetch": {**SMALL, "prefetch": 1},
+            # the next unit's rows asked of L2 while a unit computes (the hints run compiled only)
+            "l2": {**SMALL, "prefetch": 2},
+            # K-major tiles: a thread holds every rank row of its vectors
+            "kmajor": {**SMALL, "kmajor": 1, "prefetch": 2}}
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
 INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small") else (jnp.float32,) for k in SETTINGS}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
@@ -170,7 +174,7 @@ def interpreted(tmp_path_factory):
             for dtype in INTERPRETED_DTYPES[setting]:
                 case, args, *_ = inputs(name, dtype)
                 launch = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin,
-                                        fout=case.fout, settings=s)
+                                        fout=case.fout, settings=s, hints=False)
                 job = _job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays)
                 job["outs"] = [["alias", len(job["arrays"]) - 1], ["new", [1], "int32", 0]]  # y; times (unused)
                 jobs.append(job)
@@ -201,7 +205,9 @@ def test_compiles_for_h200(tmp_path):
              ((4096, 4096), jnp.bfloat16, SETTINGS["tokenwise"], True), ((4096, 4096), jnp.float32, SETTINGS["tokenwise4"], False),
              ((4096, 1024), jnp.float32, SMALL, False), ((4096, 11008), jnp.bfloat16, DEFAULT, False),
              ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False),
-             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 1, "max_programs": 132}, True)]
+             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 1, "max_programs": 132}, True),
+             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 2, "num_warps": 16, "max_programs": 132}, False),
+             ((4096, 1024), jnp.float32, {**SMALL, "prefetch": 2, "kmajor": 1}, False)]
     forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, DEFAULT, False, p) for p in rs.PROBES if p]
     for (fin, fout), ydt, s, timing, probe in forms:
         t, sa = 64, 32

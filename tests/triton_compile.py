@@ -42,6 +42,13 @@ def main(jobs_path: str) -> None:
                                 target=GPUTarget("cuda", 90, 32), options=job["options"])
         print(job["kernel"], job["const"].get("F32_DOT"), "shared", kernel.metadata.shared,
               "cubin", len(kernel.asm["cubin"]), flush=True)
+        if os.environ.get("SLORA_DUMP_ASM"):  # a folder: the job's TTGIR, PTX and SASS, for reading layouts
+            out = Path(os.environ["SLORA_DUMP_ASM"])
+            out.mkdir(parents=True, exist_ok=True)
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.get("name", job["kernel"]))[:80]
+            for kind in ("ttgir", "ptx"):
+                (out / f"{stem}.{kind}").write_text(kernel.asm[kind])
+            (out / f"{stem}.cubin").write_bytes(kernel.asm["cubin"])
         if job.get("sass"):
             print("sass", json.dumps({"name": job.get("name", job["kernel"]), "shared": kernel.metadata.shared,
                                       **sass_summary(kernel.asm["cubin"])}), flush=True)

@@ -69,7 +69,7 @@ BLOCKS = {
     # issue 4's point 10.15-10.6 µs against 11.3-11.6 (five runs), the llama-7b B 64 x 32 decode
     # step 11.62 ms against 12.06 (LoRA kernels 1.270 against 1.445 ms).
     "ranksplit": dict(rank_rows=4, num_warps=8, num_stages=1, block_t=2, group_t=8, max_programs=264,
-                      prefetch=False, decode=True, min_slots=16, max_slots=64),
+                      prefetch=False, kmajor=False, decode=True, min_slots=16, max_slots=64),
 }
 
 
@@ -171,7 +171,8 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
 PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "reads_only": (3, 0), "empty": (0, 1)}
 
 
-def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = ""):
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = "",
+                hints: bool = True):
     """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
     which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
     int32 with timing, else one unused entry). table: plan's four arrays. probe (PROBES; bench/
@@ -191,6 +192,7 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(s.get("prefetch", 0)),
+                 KMAJOR=int(s.get("kmajor", 0)), V=8, HINTS=int(hints),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1])
     return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
