@@ -41,11 +41,7 @@ SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 
 SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t": 1, "group_t": 3},
             "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132},
             # the next unit's rows in flight while a unit computes: 2-9 units a program, 2 steps a unit
-            "prefetch": {**SMALL, "prefetch": 1},
-            # the next unit's rows asked of L2 while a unit computes (the hints run compiled only)
-            "l2": {**SMALL, "prefetch": 2},
-            # K-major tiles: a thread holds every rank row of its vectors
-            "kmajor": {**SMALL, "kmajor": 1, "prefetch": 2}}
+            "prefetch": {**SMALL, "prefetch": True, "prefetch_programs": 5, "prefetch_warps": 4}}
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
 INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small") else (jnp.float32,) for k in SETTINGS}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
@@ -153,6 +149,22 @@ def test_engine_tables_are_cached_by_their_inputs():
         rs.BLOCKS["ranksplit"] = saved
 
 
+def test_prefetch_form_by_table_size():
+    """The prefetch form (its own warps and programs) from prefetch_units table entries on, unless
+    forced on or off; the launch's options follow."""
+    s = {**DEFAULT, "prefetch": None, "prefetch_units": 768}
+    assert not rs.takes_prefetch(767, s) and rs.takes_prefetch(768, s)
+    assert rs.takes_prefetch(1, {**s, "prefetch": True}) and not rs.takes_prefetch(10 ** 6, {**s, "prefetch": False})
+    case, args, *_ = inputs("decode", jnp.float32)
+    for forced in (True, False):
+        s2 = {**s, "prefetch": forced}
+        _, const, grid, opts = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s2), fin=case.fin,
+                                              fout=case.fout, settings=s2)
+        assert const["PREFETCH"] == int(forced)
+        assert opts["num_warps"] == s2["prefetch_warps" if forced else "num_warps"]
+        assert grid[0] <= s2["prefetch_programs" if forced else "max_programs"]
+
+
 def test_applies():
     assert rs.applies(4096, 4096, 4096, jnp.bfloat16) and rs.applies(4096, 4096, 1024, jnp.float32)
     assert rs.applies(4096, 11008, 4096, padded=True)       # 43 chunks of 256, a tile of 64
@@ -174,7 +186,7 @@ def interpreted(tmp_path_factory):
             for dtype in INTERPRETED_DTYPES[setting]:
                 case, args, *_ = inputs(name, dtype)
                 launch = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin,
-                                        fout=case.fout, settings=s, hints=False)
+                                        fout=case.fout, settings=s)
                 job = _job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays)
                 job["outs"] = [["alias", len(job["arrays"]) - 1], ["new", [1], "int32", 0]]  # y; times (unused)
                 jobs.append(job)
@@ -205,9 +217,7 @@ def test_compiles_for_h200(tmp_path):
              ((4096, 4096), jnp.bfloat16, SETTINGS["tokenwise"], True), ((4096, 4096), jnp.float32, SETTINGS["tokenwise4"], False),
              ((4096, 1024), jnp.float32, SMALL, False), ((4096, 11008), jnp.bfloat16, DEFAULT, False),
              ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False),
-             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 1, "max_programs": 132}, True),
-             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": 2, "num_warps": 16, "max_programs": 132}, False),
-             ((4096, 1024), jnp.float32, {**SMALL, "prefetch": 2, "kmajor": 1}, False)]
+             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": True}, True)]
     forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, DEFAULT, False, p) for p in rs.PROBES if p]
     for (fin, fout), ydt, s, timing, probe in forms:
         t, sa = 64, 32

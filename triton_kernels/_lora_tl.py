@@ -247,51 +247,6 @@ def _rows_tile(rows_ptr, rid, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.c
 
 
 @triton.jit
-def _rids_k(rid_ptr, u, ok, MP: tl.constexpr, C: tl.constexpr, RC: tl.constexpr, V: tl.constexpr):
-    """K-major form of _rids: [Q, RC, 1], Q = MP * C / V, the pool row of vector q of each rank row."""
-    q = tl.arange(0, MP * C // V)[:, None, None]
-    r = tl.arange(0, RC)[None, :, None]
-    return tl.load(rid_ptr + u * (MP * RC) + (q // (C // V)) * RC + r, mask=ok, other=0)
-
-
-@triton.jit
-def _rows_k(rows_ptr, rid, j, live, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr, M: tl.constexpr,
-            MP: tl.constexpr, V: tl.constexpr):
-    """K-major form of _rows_tile: [Q, RC, V], element (q, r, v) = element q * V + v of rank row j[r]'s
-    matrix row: a thread holds every rank row of its vectors, so x is not repeated across rank rows
-    and the expand sums over rank rows within a thread."""
-    q = tl.arange(0, MP * C // V)[:, None]
-    m = q // (C // V)
-    off = tl.sum(rid, axis=2).to(tl.int64) * W + (j[None, :] * F + m * C) % W + (q % (C // V)) * V   # [Q, RC]
-    off = tl.multiple_of(off, [V, V])  # vectors start V-aligned: 16-byte loads
-    mask = (live[None, :] & (m < M))[:, :, None]
-    return tl.load(rows_ptr + off[:, :, None] + tl.arange(0, V)[None, None, :], mask=mask, other=0)
-
-
-@triton.jit
-def _x_k(x_ptr, t, ok, FIN: tl.constexpr, C: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-         V: tl.constexpr):
-    """Token t's x as [Q, 1, V] (the K-major tiles' vectors), 0 where not ok."""
-    q = tl.arange(0, MP * C // V)[:, None, None]
-    return tl.load(x_ptr + t * FIN + q * V + tl.arange(0, V)[None, None, :], mask=ok & (q // (C // V) < M), other=0)
-
-
-@triton.jit
-def _l2_prefetch(rows_ptr, rid, j0, n, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr, M: tl.constexpr,
-                 MP: tl.constexpr, RC: tl.constexpr, V: tl.constexpr):
-    """Ask L2 for a unit's matrix rows (_rows_tile's, rid its [RC, MP] pool rows, j0 its first rank
-    row, n its live rows) without waiting for them: `prefetch.global.L2` on each V-element vector,
-    nothing held in registers. GPU only (inline PTX; the interpreter runs without it: HINTS 0)."""
-    j = j0 + tl.arange(0, RC)
-    m = tl.arange(0, MP)
-    off = rid.to(tl.int64) * W + (j[:, None] * F + m[None, :] * C) % W                     # [RC, MP]
-    ptrs = rows_ptr + off[:, :, None] + (tl.arange(0, C // V) * V)[None, None, :]            # [RC, MP, C/V]
-    live = ((tl.arange(0, RC) < n)[:, None] & (m < M)[None, :])[:, :, None] & (tl.arange(0, C // V) >= 0)[None, None, :]
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _stamp_after(v, when, times_ptr, slot, TIMING: tl.constexpr):
     """TIMING: the global timer into times[slot] once v (a float32 tensor) is computed, if `when`."""
     if TIMING:
@@ -314,160 +269,96 @@ def _add_into(ptr, v, mask, never, ADDS: tl.constexpr):
 
 
 @triton.jit
-def _unit_entry(u, ok, meta_ptr, arid_ptr, brid_ptr, RC: tl.constexpr, CA: tl.constexpr, MAP: tl.constexpr,
-                CB: tl.constexpr, MBP: tl.constexpr, KMAJOR: tl.constexpr, V: tl.constexpr):
+def _unit_entry(u, ok, meta_ptr, arid_ptr, brid_ptr, RC: tl.constexpr, MAP: tl.constexpr, MBP: tl.constexpr):
     """Unit u's table entry: t0, t1 (its tokens), n (live rank rows), j0 (the first), and the pool
-    rows of its A^T and B chunks (_rids, or _rids_k with KMAJOR); a dead unit (n = 0) where not ok."""
+    rows of its A^T and B chunks ([RC, MAP], [RC, MBP]); a dead unit (n = 0) where not ok."""
     rec = meta_ptr + u * 4
     t0 = tl.load(rec, mask=ok, other=0)
     t1 = tl.load(rec + 1, mask=ok, other=0)
     n = tl.load(rec + 2, mask=ok, other=0)
     j0 = tl.load(rec + 3, mask=ok, other=0)
-    if KMAJOR:
-        ra = _rids_k(arid_ptr, u, ok, MAP, CA, RC, V)
-        rb = _rids_k(brid_ptr, u, ok, MBP, CB, RC, V)
-    else:
-        ra = _rids(arid_ptr, u, ok, MAP, RC)
-        rb = _rids(brid_ptr, u, ok, MBP, RC)
-    return t0, t1, n, j0, ra, rb
+    return t0, t1, n, j0, _rids(arid_ptr, u, ok, MAP, RC), _rids(brid_ptr, u, ok, MBP, RC)
 
 
 @triton.jit
 def _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC: tl.constexpr, BLOCK_T: tl.constexpr,
                FIN: tl.constexpr, FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr,
-               MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, KMAJOR: tl.constexpr,
-               V: tl.constexpr):
-    """A unit's A^T rows, B rows and its first step's x (_x_step), in one trip (the pool's and x's
-    dtypes); a dead unit reads nothing. A^T [RC, MAP, CA] and B [RC, MBP, CB], or with KMAJOR
-    [QA, RC, V] and [QB, RC, V] (_rows_k)."""
+               MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr):
+    """A unit's A^T rows [RC, MAP, CA], B rows [RC, MBP, CB] and its first step's x [BLOCK_T, MAP, CA]
+    (the pool's and x's dtypes), in one trip; a dead unit reads nothing."""
     j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
-    if KMAJOR:
-        a = _rows_k(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP, V)
-        b = _rows_k(rows_ptr, rb, j, live, FOUT, W, CB, MB, MBP, V)
-    else:
-        a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
-        b = _rows_tile(rows_ptr, rb, j, live, FOUT, W, CB, MB, MBP)
-    x0, x1 = _x_step(x_ptr, t0, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP, KMAJOR, V)
-    return a, b, x0, x1
+    a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
+    b = _rows_tile(rows_ptr, rb, j, live, FOUT, W, CB, MB, MBP)
+    return a, b, _x_step(x_ptr, t0, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP)
 
 
 @triton.jit
 def _x_step(x_ptr, t_first, t1, ok, BLOCK_T: tl.constexpr, FIN: tl.constexpr, CA: tl.constexpr,
-            MA: tl.constexpr, MAP: tl.constexpr, KMAJOR: tl.constexpr, V: tl.constexpr):
-    """x of tokens t_first .. t_first + BLOCK_T - 1 below t1 (0 past them): as [BLOCK_T, MAP, CA]
-    (twice), or with KMAJOR its first two tokens as [QA, 1, V] each (_x_k; _unit_step loads any
-    further ones)."""
-    if KMAJOR:
-        x0 = _x_k(x_ptr, t_first, ok & (t_first < t1), FIN, CA, MA, MAP, V)
-        x1 = _x_k(x_ptr, t_first + 1, ok & (BLOCK_T > 1) & (t_first + 1 < t1), FIN, CA, MA, MAP, V)
-    else:
-        tt = tl.arange(0, BLOCK_T)[:, None, None]
-        ma = tl.arange(0, MAP)[:, None]
-        xk = ma * CA + tl.arange(0, CA)[None, :]
-        x0 = tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
-                     mask=ok & (t_first + tt < t1) & (ma < MA)[None, :, :], other=0)
-        x1 = x0
-    return x0, x1
+            MA: tl.constexpr, MAP: tl.constexpr):
+    """x of tokens t_first .. t_first + BLOCK_T - 1 below t1, as [BLOCK_T, MAP, CA] (0 past them)."""
+    tt = tl.arange(0, BLOCK_T)[:, None, None]
+    ma = tl.arange(0, MAP)[:, None]
+    xk = ma * CA + tl.arange(0, CA)[None, :]
+    return tl.load(x_ptr + (t_first + tt) * FIN + xk[None, :, :],
+                   mask=ok & (t_first + tt < t1) & (ma < MA)[None, :, :], other=0)
 
 
 @triton.jit
-def _unit_step(t_first, t1, n, a, b, x_step, x_next, x_ptr, y_ptr, times_ptr, slot, first, RC: tl.constexpr,
-               BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr,
-               MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, TIMING: tl.constexpr,
-               ADDS: tl.constexpr, KMAJOR: tl.constexpr, V: tl.constexpr):
+def _unit_step(t_first, t1, n, a, b, x_step, y_ptr, times_ptr, slot, first, RC: tl.constexpr, BLOCK_T: tl.constexpr,
+               FOUT: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr,
+               TIMING: tl.constexpr, ADDS: tl.constexpr):
     """One step of a unit's token loop: tokens t_first .. (BLOCK_T of them, below t1)' xa over the
     unit's rank rows and their deltas, added into y. At BLOCK_T 2 (decode's pairs) both tokens' xa
     come before both deltas; else a token at a time. TIMING: the step stamps times[slot + 2, 3] if
-    `first` (the program's first unit's first step). x_step, x_next: _x_step's. In the [RC, M, C]
-    form x_step's token axis stays within each thread, so taking a token's row is free."""
+    `first` (the program's first unit's first step). x_step's token axis stays within each thread, so
+    taking a token's row is free."""
     never = n > 1 << 20  # (the probes' store condition: n <= RC always)
+    mb = tl.arange(0, MBP)[:, None]
+    yk = mb * CB + tl.arange(0, CB)[None, :]
+    tt = tl.arange(0, BLOCK_T)[:, None, None]
     rty = a.dtype
-    if KMAJOR:
-        qb = tl.arange(0, MBP * CB // V)[:, None]
-        yk = qb * V + tl.arange(0, V)[None, :]
-        ymask = qb // (CB // V) < MB
-        if ADDS == 3:  # the reads-only probe
-            v = tl.sum(a.to(tl.float32), axis=1) + tl.sum(b.to(tl.float32), axis=1) + tl.sum(x_step.to(tl.float32), axis=1)
-            _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), ymask, never, ADDS)
-        elif BLOCK_T == 2:
-            af = a.to(tl.float32)
-            xa0 = tl.sum(tl.sum(af * x_step.to(tl.float32), axis=2), axis=0)
-            xa1 = tl.sum(tl.sum(af * x_next.to(tl.float32), axis=2), axis=0)
-            xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
-            xa1 = xa1.to(rty).to(tl.float32)
-            _stamp_after(xa0 + xa1, first, times_ptr, slot + 2, TIMING)
-            bf = b.to(tl.float32)
-            d0 = tl.sum(xa0[None, :, None] * bf, axis=1)                       # [QB, V], within threads
-            d1 = tl.sum(xa1[None, :, None] * bf, axis=1)
-            _stamp_after(d0 + d1, first, times_ptr, slot + 3, TIMING)
-            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), ymask, never, ADDS)
-            _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
-                      (t_first + 1 < t1) & ymask, never, ADDS)
-        else:
-            for k in tl.static_range(BLOCK_T):
-                if k == 0:
-                    xt = x_step
-                elif k == 1:
-                    xt = x_next
-                else:
-                    xt = _x_k(x_ptr, t_first + k, (n > 0) & (t_first + k < t1), FIN, CA, MA, MAP, V)
-                xa = tl.sum(tl.sum(a.to(tl.float32) * xt.to(tl.float32), axis=2), axis=0).to(rty).to(tl.float32)
-                if k == 0:
-                    _stamp_after(xa, first, times_ptr, slot + 2, TIMING)
-                d = tl.sum(xa[None, :, None] * b.to(tl.float32), axis=1)
-                if k == 0:
-                    _stamp_after(d, first, times_ptr, slot + 3, TIMING)
-                _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
-                          (t_first + k < t1) & ymask, never, ADDS)
+    x_all = x_step.to(tl.float32)
+    if ADDS == 3:  # the reads-only probe: every load kept, almost no arithmetic
+        v = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0) + tl.sum(x_all, axis=0)
+        _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+    elif BLOCK_T == 2:
+        af = a.to(tl.float32)
+        xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+        xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+        xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
+        xa1 = xa1.to(rty).to(tl.float32)
+        _stamp_after(xa0 + xa1, first, times_ptr, slot + 2, TIMING)
+        bf = b.to(tl.float32)
+        d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
+        d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
+        _stamp_after(d0 + d1, first, times_ptr, slot + 3, TIMING)
+        _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+        _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
+                  (t_first + 1 < t1) & (mb < MB), never, ADDS)
     else:
-        mb = tl.arange(0, MBP)[:, None]
-        yk = mb * CB + tl.arange(0, CB)[None, :]
-        tt = tl.arange(0, BLOCK_T)[:, None, None]
-        x_all = x_step.to(tl.float32)
-        if ADDS == 3:  # the reads-only probe: every load kept, almost no arithmetic
-            v = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0) + tl.sum(x_all, axis=0)
-            _add_into(y_ptr + yk, v.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
-        elif BLOCK_T == 2:
-            af = a.to(tl.float32)
-            xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
-            xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x_all, 0.0), axis=0)[None, :, :], axis=2), axis=1)
-            xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
-            xa1 = xa1.to(rty).to(tl.float32)
-            _stamp_after(xa0 + xa1, first, times_ptr, slot + 2, TIMING)
-            bf = b.to(tl.float32)
-            d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
-            d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
-            _stamp_after(d0 + d1, first, times_ptr, slot + 3, TIMING)
-            _add_into(y_ptr + t_first * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
-            _add_into(y_ptr + (t_first + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty),
-                      (t_first + 1 < t1) & (mb < MB), never, ADDS)
-        else:
-            for k in tl.static_range(BLOCK_T):
-                xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
-                xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1).to(rty).to(tl.float32)
-                if k == 0:
-                    _stamp_after(xa, first, times_ptr, slot + 2, TIMING)
-                d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
-                if k == 0:
-                    _stamp_after(d, first, times_ptr, slot + 3, TIMING)
-                _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
-                          (t_first + k < t1) & (mb < MB), never, ADDS)
+        for k in tl.static_range(BLOCK_T):
+            xt = tl.sum(tl.where(tt == k, x_all, 0.0), axis=0)                          # [MAP, CA]
+            xa = tl.sum(tl.sum(a.to(tl.float32) * xt[None, :, :], axis=2), axis=1).to(rty).to(tl.float32)
+            if k == 0:
+                _stamp_after(xa, first, times_ptr, slot + 2, TIMING)
+            d = tl.sum(xa[:, None, None] * b.to(tl.float32), axis=0)                     # [MBP, CB]
+            if k == 0:
+                _stamp_after(d, first, times_ptr, slot + 3, TIMING)
+            _add_into(y_ptr + (t_first + k) * FOUT + yk, d.to(y_ptr.dtype.element_ty),
+                      (t_first + k < t1) & (mb < MB), never, ADDS)
 
 
 @triton.jit
-def _unit_compute(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, slot, first, RC: tl.constexpr,
-                  BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr,
-                  MAP: tl.constexpr, CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, TIMING: tl.constexpr,
-                  ADDS: tl.constexpr, KMAJOR: tl.constexpr, V: tl.constexpr):
-    """A unit's token loop over its rows a, b: the first step on x0, x1 (loaded with the rows), the
-    others loading their x (loads do not pass the adds before them)."""
-    _unit_step(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, slot, first, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
-               CB, MB, MBP, TIMING, ADDS, KMAJOR, V)
+def _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, slot, first, RC: tl.constexpr, BLOCK_T: tl.constexpr,
+                  FIN: tl.constexpr, FOUT: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
+                  CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, TIMING: tl.constexpr, ADDS: tl.constexpr):
+    """A unit's token loop over its rows a, b: the first step on x0 (loaded with the rows), the others
+    loading their x (loads do not pass the adds before them)."""
+    _unit_step(t0, t1, n, a, b, x0, y_ptr, times_ptr, slot, first, RC, BLOCK_T, FOUT, CB, MB, MBP, TIMING, ADDS)
     for t_first in range(t0 + BLOCK_T, t1, BLOCK_T):
-        xs, xn = _x_step(x_ptr, t_first, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP, KMAJOR, V)
-        _unit_step(t_first, t1, n, a, b, xs, xn, x_ptr, y_ptr, times_ptr, slot, False, RC, BLOCK_T, FIN, FOUT, CA,
-                   MA, MAP, CB, MB, MBP, 0, ADDS, KMAJOR, V)
+        x_step = _x_step(x_ptr, t_first, t1, n > 0, BLOCK_T, FIN, CA, MA, MAP)
+        _unit_step(t_first, t1, n, a, b, x_step, y_ptr, times_ptr, slot, False, RC, BLOCK_T, FOUT, CB, MB, MBP, 0, ADDS)
 
 
 @triton.jit
@@ -475,8 +366,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
-                          NU: tl.constexpr, PREFETCH: tl.constexpr = 0, KMAJOR: tl.constexpr = 0, V: tl.constexpr = 8, HINTS: tl.constexpr = 1,
-                          TIMING: tl.constexpr = 0,
+                          NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
                           ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
@@ -498,54 +388,37 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
         n = tl.load(meta_ptr + p * 4 + 2)
         tl.store(y_ptr + tl.arange(0, 2), tl.zeros([2], y_ptr.dtype.element_ty), mask=tl.arange(0, 2) < n - 1000)
         return
-    t0, t1, n, j0, ra, rb = _unit_entry(p, p < NU, meta_ptr, arid_ptr, brid_ptr, RC, CA, MAP, CB, MBP, KMAJOR, V)
+    t0, t1, n, j0, ra, rb = _unit_entry(p, p < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
     if PREFETCH:
         u1 = p + N_PROGRAMS
-        t0n, t1n, nn, j0n, ran, rbn = _unit_entry(u1, u1 < NU, meta_ptr, arid_ptr, brid_ptr, RC, CA, MAP, CB, MBP, KMAJOR, V)
-    a, b, x0, x1 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP, CB, MB, MBP, KMAJOR, V)
+        t0n, t1n, nn, j0n, ran, rbn = _unit_entry(u1, u1 < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+    a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP, CB, MB, MBP)
     if TIMING:
         if n >= 0:  # (always: the stamp waits for the entry)
             tl.store(times_ptr + p * 8 + 1, _now())
     total = tl.load(total_ptr)
     units = 0
-    if PREFETCH == 2:
-        if HINTS:
-            _l2_prefetch(rows_ptr, ran, j0n, nn, FIN, W, CA, MA, MAP, RC, V)
-            _l2_prefetch(rows_ptr, rbn, j0n, nn, FOUT, W, CB, MB, MBP, RC, V)
+    if PREFETCH:
         for u in range(p, total, N_PROGRAMS):
+            an, bn, x0n = _unit_rows(t0n, t1n, nn, j0n, ran, rbn, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA,
+                                     MAP, CB, MB, MBP)
             u2 = u + 2 * N_PROGRAMS
-            t0f, t1f, nf, j0f, raf, rbf = _unit_entry(u2, u2 < NU, meta_ptr, arid_ptr, brid_ptr, RC, CA, MAP, CB, MBP, KMAJOR, V)
-            _unit_compute(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, p * 8, u == p, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
-                          CB, MB, MBP, TIMING, ADDS, KMAJOR, V)
-            a, b, x0, x1 = _unit_rows(t0n, t1n, nn, j0n, ran, rbn, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA,
-                                      MAP, CB, MB, MBP, KMAJOR, V)
-            if HINTS:
-                _l2_prefetch(rows_ptr, raf, j0f, nf, FIN, W, CA, MA, MAP, RC, V)
-                _l2_prefetch(rows_ptr, rbf, j0f, nf, FOUT, W, CB, MB, MBP, RC, V)
-            t0, t1, n = t0n, t1n, nn
-            t0n, t1n, nn, j0n, ran, rbn = t0f, t1f, nf, j0f, raf, rbf
-            units += 1
-    elif PREFETCH:
-        for u in range(p, total, N_PROGRAMS):
-            an, bn, x0n, x1n = _unit_rows(t0n, t1n, nn, j0n, ran, rbn, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA,
-                                     MAP, CB, MB, MBP, KMAJOR, V)
-            u2 = u + 2 * N_PROGRAMS
-            t0f, t1f, nf, j0f, raf, rbf = _unit_entry(u2, u2 < NU, meta_ptr, arid_ptr, brid_ptr, RC, CA, MAP, CB, MBP, KMAJOR, V)
-            _unit_compute(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, p * 8, u == p, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
-                          CB, MB, MBP, TIMING, ADDS, KMAJOR, V)
-            t0, t1, n, a, b, x0, x1 = t0n, t1n, nn, an, bn, x0n, x1n
+            t0f, t1f, nf, j0f, raf, rbf = _unit_entry(u2, u2 < NU, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+            _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, u == p, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                          CB, MB, MBP, TIMING, ADDS)
+            t0, t1, n, a, b, x0 = t0n, t1n, nn, an, bn, x0n
             t0n, t1n, nn, j0n, ran, rbn = t0f, t1f, nf, j0f, raf, rbf
             units += 1
     else:
-        _unit_compute(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, p * 8, True, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
-                      CB, MB, MBP, TIMING, ADDS, KMAJOR, V)
+        _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, True, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                      CB, MB, MBP, TIMING, ADDS)
         units = 1
         for u in range(p + N_PROGRAMS, total, N_PROGRAMS):
-            t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, CA, MAP, CB, MBP, KMAJOR, V)
-            a, b, x0, x1 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP,
-                                  CB, MB, MBP, KMAJOR, V)
-            _unit_compute(t0, t1, n, a, b, x0, x1, x_ptr, y_ptr, times_ptr, p * 8, False, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
-                          CB, MB, MBP, 0, ADDS, KMAJOR, V)
+            t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+            a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP,
+                                  CB, MB, MBP)
+            _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, False, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
+                          CB, MB, MBP, 0, ADDS)
             units += 1
     if TIMING:
         tl.store(times_ptr + p * 8 + 4, _now())

@@ -19,9 +19,11 @@ for 128 KB of rows read).
 Units. The host builds the table with the step's inputs (`plan`): a unit is (up to group_t tokens of
 one slot, RC rank rows of its adapter), with its tokens, its count of live rows, its first rank row
 and the pool rows of its A^T rows and B rows. Programs walk units p, p + P, ... below the live total
-(P <= max_programs; at the defaults a program of 8 warps holds its 4 rank rows' 64 KB of A^T and B
-in registers, one program an SM at a time, two waves of 132 at most). A unit loops over its tokens block_t at a time with its
-rows held, so an adapter's rows are read once for up to group_t tokens of its slot; base tokens and
+(P <= max_programs; at the defaults a program of 16 warps holds its 4 rank rows' 64 KB of A^T and B
+in registers, one program an SM at a time, two waves of 132 at most). In larger launches (the
+prefetch form, from prefetch_units table entries on) each of 132 programs of 8 warps keeps its next
+unit's rows in flight while it computes one, so its loads overlap its arithmetic (two units' rows
+held in registers). A unit loops over its tokens block_t at a time with its rows held, so an adapter's rows are read once for up to group_t tokens of its slot; base tokens and
 empty slots have no units; padding is bounded by one unit's RC rows (rows past the rank are masked:
 no traffic, no products that count).
 
@@ -68,8 +70,20 @@ BLOCKS = {
     # ~1700 warp instructions a rank row against ~2100 and no spills (bench/ranksplit_sass.py);
     # issue 4's point 10.15-10.6 µs against 11.3-11.6 (five runs), the llama-7b B 64 x 32 decode
     # step 11.62 ms against 12.06 (LoRA kernels 1.270 against 1.445 ms).
-    "ranksplit": dict(rank_rows=4, num_warps=8, num_stages=1, block_t=2, group_t=8, max_programs=264,
-                      prefetch=False, kmajor=False, decode=True, min_slots=16, max_slots=64),
+    # Session 29 (bench/ranksplit_timing.py --probe, one process a point, device µs a launch; the
+    # defaults then were rank_rows 4 in 8 warps, 264 programs, no prefetch):
+    #   64 x 32: 8 warps 9.01-9.12, 16 warps (106 registers, one program an SM) 8.33-8.39,
+    #            prefetch in 8 warps over 132 programs 8.71-8.97;
+    #   256 x 32: 19.2-19.6 / 18.3-18.4 / 17.7-17.8;  256 x 256: 48.4-48.8 / 46.2 / 37.5-37.6.
+    # prefetch: a program's next unit's rows and x in flight while it computes a unit (two units'
+    # rows held: 247 registers in 8 warps; in 16 warps it spills). None: taken where the table's
+    # bound (bound_units) is at least prefetch_units, with prefetch_warps and prefetch_programs in
+    # place of num_warps and max_programs; True / False: always / never.
+    # Lost and removed: rank_rows 2 (9.1-9.7 at 64 x 32), tiles laid out [vectors, rank rows, 8]
+    # (8.49), the next unit's rows asked of L2 by prefetch.global.L2 instead of held (10.5).
+    "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
+                      prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
+                      decode=True, min_slots=16, max_slots=64),
 }
 
 
@@ -171,8 +185,7 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
 PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "reads_only": (3, 0), "empty": (0, 1)}
 
 
-def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = "",
-                hints: bool = True):
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = ""):
     """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
     which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
     int32 with timing, else one unused entry). table: plan's four arrays. probe (PROBES; bench/
@@ -187,15 +200,23 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     if arid.shape[1:] != (map_, s["rank_rows"]) or brid.shape[1:] != (mbp, s["rank_rows"]):
         raise ValueError(f"ranksplit table shapes {arid.shape}, {brid.shape} are not plan's for in {fin}, "
                          f"out {fout}, width {width}, rank_rows {s['rank_rows']}")
-    n_programs = max(1, min(meta.shape[0], s["max_programs"]))
+    prefetch = takes_prefetch(meta.shape[0], s)
+    n_programs = max(1, min(meta.shape[0], s["prefetch_programs" if prefetch else "max_programs"]))
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
-                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(s.get("prefetch", 0)),
-                 KMAJOR=int(s.get("kmajor", 0)), V=8, HINTS=int(hints),
+                 CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1])
-    return arrays, const, (n_programs,), dict(num_warps=s["num_warps"], num_stages=s["num_stages"])
+    return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
+                                              num_stages=s["num_stages"])
+
+
+def takes_prefetch(units: int, settings=None) -> bool:
+    """Whether a launch whose table holds `units` entries (bound_units) takes the prefetch form:
+    BLOCKS["ranksplit"]["prefetch"] where set, else from prefetch_units entries on."""
+    s = settings or BLOCKS["ranksplit"]
+    return bool(s["prefetch"]) if s["prefetch"] is not None else units >= s["prefetch_units"]
 
 
 def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int):
