@@ -79,14 +79,17 @@ BLOCKS = {
     # rows held: 247 registers in 8 warps; in 16 warps it spills). None: taken where the table's
     # bound (bound_units) is at least prefetch_units, with prefetch_warps and prefetch_programs in
     # place of num_warps and max_programs; True / False: always / never.
-    # max_slots 256 (was 64: the pair won at 256 x 256 before the prefetch form): the S2 decode step
-    # (llama-7b, B 172 x 156 adapters, context 430, hybrid/pallas) 21.70 against 23.57 ms, its LoRA
-    # kernels 3.19 against 5.05 ms; B 64 x 32: 11.36 against 11.45 ms (1.045 against 1.133).
+    # B 64 x 32 decode step (llama-7b, profile_step): 11.36 against 11.45 ms (LoRA 1.045 against 1.133).
+    # max_slots stays 64. At 256 the S2 decode step's device time drops (B 172 x 156 adapters,
+    # context 430, hybrid/pallas: 21.70 against 23.57 ms, LoRA kernels 3.19 against 5.05), but S2
+    # serving did not move (20.72 against 20.59 req/s, decode steps 22.90 against 22.75 ms of wall
+    # time, one call each beside the base model's 25.42): the tables' host time (plan, per module,
+    # rebuilt as the batch changes) takes what the device saves. Cheaper tables first.
     # Lost and removed: rank_rows 2 (9.1-9.7 at 64 x 32), tiles laid out [vectors, rank rows, 8]
     # (8.49), the next unit's rows asked of L2 by prefetch.global.L2 instead of held (10.5).
     "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
-                      decode=True, min_slots=16, max_slots=256),
+                      decode=True, min_slots=16, max_slots=64),
 }
 
 
