@@ -41,9 +41,12 @@ SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 
 SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t": 1, "group_t": 3},
             "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132},
             # the next unit's rows in flight while a unit computes: 2-9 units a program, 2 steps a unit
-            "prefetch": {**SMALL, "prefetch": True, "prefetch_programs": 5, "prefetch_warps": 4}}
+            "prefetch": {**SMALL, "prefetch": True, "prefetch_programs": 5, "prefetch_warps": 4},
+            # each unit in two trips (A^T rows and x, then B rows), units of at most two tokens, 1-9 a program
+            "phased": {**SMALL, "phased": True, "group_t": 2}}
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
-INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small") else (jnp.float32,) for k in SETTINGS}
+INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small", "phased") else (jnp.float32,)
+                      for k in SETTINGS}
 PTR_ARGS_RS = ("total_ptr", "meta_ptr", "arid_ptr", "brid_ptr", "x_ptr", "rows_ptr", "_y_in_ptr", "y_ptr", "times_ptr")
 
 

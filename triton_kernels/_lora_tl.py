@@ -362,12 +362,66 @@ def _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, slot, first, RC:
 
 
 @triton.jit
+def _bits(v):
+    """v's elements as integers of their width (a bitcast)."""
+    if v.dtype.primitive_bitwidth == 16:
+        r = v.to(tl.int16, bitcast=True)
+    else:
+        r = v.to(tl.int32, bitcast=True)
+    return r
+
+
+@triton.jit
+def _after_all(v, z):
+    """v unchanged (z is 0 when it runs), but each element now waits on z, which waits on every load
+    behind it: ptxas otherwise starts the arithmetic on a tile's first loads before it issues the
+    last ones, which then go out a trip late (its SASS for _unit_phased showed B's four 16-byte
+    loads a thread issued in three rounds)."""
+    return (_bits(v) + z.to(_bits(v).dtype)[None]).to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl.constexpr, FIN: tl.constexpr,
+                 FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
+                 CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr):
+    """Unit u (live, at most two tokens) in two trips: its A^T rows and x, their xa; then its B rows,
+    the two deltas and their adds. One matrix is held at a time, so a program takes about half the
+    registers of the one-trip form and several programs share an SM: one's trips overlap another's
+    arithmetic (the PHASED form). Each trip's loads all go out before its first product
+    (_after_all)."""
+    t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
+    never = n > 1 << 20  # (n <= RC always: a condition the compiler cannot fold)
+    j = j0 + tl.arange(0, RC)
+    live = tl.arange(0, RC) < n
+    a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
+    x = _x_step(x_ptr, t0, t1, n > 0, 2, FIN, CA, MA, MAP)
+    za = tl.where(never, tl.sum(_bits(a), axis=0) + tl.sum(_bits(x), axis=0) + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
+    af = _after_all(a, za).to(tl.float32)
+    x = _after_all(x, za).to(tl.float32)
+    rty = a.dtype
+    tt = tl.arange(0, 2)[:, None, None]
+    xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+    xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+    xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
+    xa1 = xa1.to(rty).to(tl.float32)
+    # B's trip after the shrink: a row's mask waits on its xa (a NaN xa reads no B, its deltas NaN still)
+    b = _rows_tile(rows_ptr, rb, j, live & (xa0 + xa1 == xa0 + xa1), FOUT, W, CB, MB, MBP)
+    bf = _after_all(b, tl.where(never, tl.sum(_bits(b), axis=0), 0)).to(tl.float32)
+    mb = tl.arange(0, MBP)[:, None]
+    yk = mb * CB + tl.arange(0, CB)[None, :]
+    d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
+    d1 = tl.sum(xa1[:, None, None] * bf, axis=0)
+    _add_into(y_ptr + t0 * FOUT + yk, d0.to(y_ptr.dtype.element_ty), mb < MB, never, ADDS)
+    _add_into(y_ptr + (t0 + 1) * FOUT + yk, d1.to(y_ptr.dtype.element_ty), (t0 + 1 < t1) & (mb < MB), never, ADDS)
+
+
+@triton.jit
 def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, _y_in_ptr, y_ptr, times_ptr,
                           RC: tl.constexpr, BLOCK_T: tl.constexpr, FIN: tl.constexpr, FOUT: tl.constexpr,
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
                           NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
-                          ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0):
+                          ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0, PHASED: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [NU, MAP, RC], B rows from brid [NU, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -380,8 +434,15 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     TIMING (bench/ranksplit_timing.py): times [programs, 8] int32 gets the global timer (_now) at the
     program's start, once its first entry is read, once its first xa and its first delta are computed,
     at its end, then its SM and its unit count. ADDS (_add_into) and EMPTY (a program reads its
-    first entry and ends) are probes of the launch's cost, never the engine's."""
+    first entry and ends) are probes of the launch's cost, never the engine's.
+    PHASED (units of at most two tokens, BLOCK_T 2; no TIMING, no PREFETCH): each unit in two trips
+    (_unit_phased), programs walking p, p + N_PROGRAMS, ... below the total only."""
     p = tl.program_id(0)
+    if PHASED:
+        for u in range(p, tl.load(total_ptr), N_PROGRAMS):
+            _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC, FIN, FOUT, W, CA, MA, MAP,
+                         CB, MB, MBP, ADDS)
+        return
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
     if EMPTY:

@@ -89,7 +89,7 @@ BLOCKS = {
     # (8.49), the next unit's rows asked of L2 by prefetch.global.L2 instead of held (10.5).
     "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
-                      decode=True, min_slots=16, max_slots=64),
+                      decode=True, min_slots=16, max_slots=64, phased=False),
 }
 
 
@@ -206,14 +206,18 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     if arid.shape[1:] != (map_, s["rank_rows"]) or brid.shape[1:] != (mbp, s["rank_rows"]):
         raise ValueError(f"ranksplit table shapes {arid.shape}, {brid.shape} are not plan's for in {fin}, "
                          f"out {fout}, width {width}, rank_rows {s['rank_rows']}")
-    prefetch = takes_prefetch(meta.shape[0], s)
+    phased = bool(s.get("phased"))
+    if phased and (s["block_t"] != 2 or s["group_t"] != 2 or s["prefetch"] or timing):
+        raise ValueError('BLOCKS["ranksplit"]: the phased form takes block_t 2, group_t 2, no prefetch and '
+                         f'no timing (got block_t {s["block_t"]}, group_t {s["group_t"]}, prefetch {s["prefetch"]})')
+    prefetch = not phased and takes_prefetch(meta.shape[0], s)
     n_programs = max(1, min(meta.shape[0], s["prefetch_programs" if prefetch else "max_programs"]))
     x = x.astype(jnp.promote_types(x.dtype, rows.dtype))
     arrays = (total, meta, arid, brid, x, rows, y)
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
-                 EMPTY=PROBES[probe][1])
+                 EMPTY=PROBES[probe][1], PHASED=int(phased))
     return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
                                               num_stages=s["num_stages"])
 
