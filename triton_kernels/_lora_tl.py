@@ -377,36 +377,62 @@ def _after_all(v, z):
     behind it: ptxas otherwise starts the arithmetic on a tile's first loads before it issues the
     last ones, which then go out a trip late (its SASS for _unit_phased showed B's four 16-byte
     loads a thread issued in three rounds)."""
-    return (_bits(v) + z.to(_bits(v).dtype)[None]).to(v.dtype, bitcast=True)
+    return (_bits(v) + z.to(_bits(v).dtype)).to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def _f32(v, FAST: tl.constexpr):
+    """v as float32. FAST (bf16 only, compiled only: the interpreter runs no PTX): two instructions a
+    pair of elements (the low one shifted up, the high one masked) where ptxas's own conversion
+    takes three (PRMT, SHF, IMAD.U32)."""
+    if FAST and v.dtype == tl.bfloat16:
+        r = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [v],
+                                      dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        r = v.to(tl.float32)
+    return r
+
+
+@triton.jit
+def _x_row(x_ptr, t, ok, FIN: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr):
+    """x[t] as [MAP, CA] (0 where not ok or past MA chunks)."""
+    ma = tl.arange(0, MAP)[:, None]
+    return tl.load(x_ptr + t * FIN + ma * CA + tl.arange(0, CA)[None, :], mask=ok & (ma < MA), other=0)
 
 
 @triton.jit
 def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl.constexpr, FIN: tl.constexpr,
                  FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
-                 CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr):
+                 CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr, HOLD: tl.constexpr,
+                 FAST_CVT: tl.constexpr):
     """Unit u (live, at most two tokens) in two trips: its A^T rows and x, their xa; then its B rows,
     the two deltas and their adds. One matrix is held at a time, so a program takes about half the
     registers of the one-trip form and several programs share an SM: one's trips overlap another's
-    arithmetic (the PHASED form). Each trip's loads all go out before its first product
+    arithmetic (the PHASED form). HOLD: each trip's loads all go out before its first product
     (_after_all)."""
     t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
     never = n > 1 << 20  # (n <= RC always: a condition the compiler cannot fold)
     j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
     a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
-    x = _x_step(x_ptr, t0, t1, n > 0, 2, FIN, CA, MA, MAP)
-    za = tl.where(never, tl.sum(_bits(a), axis=0) + tl.sum(_bits(x), axis=0) + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
-    af = _after_all(a, za).to(tl.float32)
-    x = _after_all(x, za).to(tl.float32)
+    x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
+    x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
+    if HOLD:
+        za = tl.where(never, tl.sum(_bits(a), axis=0) + _bits(x0) + _bits(x1) + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
+        a = _after_all(a, za[None])
+        x0 = _after_all(x0, za)
+        x1 = _after_all(x1, za)
     rty = a.dtype
-    tt = tl.arange(0, 2)[:, None, None]
-    xa0 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 0, x, 0.0), axis=0)[None, :, :], axis=2), axis=1)
-    xa1 = tl.sum(tl.sum(af * tl.sum(tl.where(tt == 1, x, 0.0), axis=0)[None, :, :], axis=2), axis=1)
+    af = _f32(a, FAST_CVT)
+    xa0 = tl.sum(tl.sum(af * _f32(x0, FAST_CVT)[None, :, :], axis=2), axis=1)
+    xa1 = tl.sum(tl.sum(af * _f32(x1, FAST_CVT)[None, :, :], axis=2), axis=1)
     xa0 = xa0.to(rty).to(tl.float32)                                   # [RC], as the pair stores xa
     xa1 = xa1.to(rty).to(tl.float32)
     # B's trip after the shrink: a row's mask waits on its xa (a NaN xa reads no B, its deltas NaN still)
     b = _rows_tile(rows_ptr, rb, j, live & (xa0 + xa1 == xa0 + xa1), FOUT, W, CB, MB, MBP)
-    bf = _after_all(b, tl.where(never, tl.sum(_bits(b), axis=0), 0)).to(tl.float32)
+    if HOLD:
+        b = _after_all(b, tl.where(never, tl.sum(_bits(b), axis=0), 0)[None])
+    bf = _f32(b, FAST_CVT)
     mb = tl.arange(0, MBP)[:, None]
     yk = mb * CB + tl.arange(0, CB)[None, :]
     d0 = tl.sum(xa0[:, None, None] * bf, axis=0)                       # [MBP, CB]
@@ -421,7 +447,8 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
                           NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
-                          ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0, PHASED: tl.constexpr = 0):
+                          ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0, PHASED: tl.constexpr = 0,
+                          HOLD: tl.constexpr = 1, FAST_CVT: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [NU, MAP, RC], B rows from brid [NU, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -441,7 +468,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if PHASED:
         for u in range(p, tl.load(total_ptr), N_PROGRAMS):
             _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC, FIN, FOUT, W, CA, MA, MAP,
-                         CB, MB, MBP, ADDS)
+                         CB, MB, MBP, ADDS, HOLD, FAST_CVT)
         return
     if TIMING:
         tl.store(times_ptr + p * 8, _now())

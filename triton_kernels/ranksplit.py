@@ -89,7 +89,8 @@ BLOCKS = {
     # (8.49), the next unit's rows asked of L2 by prefetch.global.L2 instead of held (10.5).
     "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
-                      decode=True, min_slots=16, max_slots=64, phased=False),
+                      decode=True, min_slots=16, max_slots=64, phased=False, hold=True,
+                      fast_cvt=False),
 }
 
 
@@ -217,7 +218,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
     const = dict(RC=s["rank_rows"], BLOCK_T=s["block_t"], FIN=fin, FOUT=fout, W=width, CA=ca, MA=ma, MAP=map_,
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
-                 EMPTY=PROBES[probe][1], PHASED=int(phased))
+                 EMPTY=PROBES[probe][1], PHASED=int(phased),
+                 HOLD=int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))))
     return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
                                               num_stages=s["num_stages"])
 
