@@ -401,20 +401,40 @@ def _x_row(x_ptr, t, ok, FIN: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, 
 
 
 @triton.jit
+def _l2_bulk_prefetch(rows_ptr, rid_ptr, u, j0, n, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
+                      M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
+    """Ask L2 for unit u's matrix rows (rank rows j0 .. j0 + n - 1, their chunks' pool rows in rid
+    [U, MP, RC]) without waiting or holding anything: one `cp.async.bulk.prefetch.L2` (sm_90's bulk
+    copy engine) a chunk of C contiguous elements, from the first warp. Scalars: the loop's rid
+    loads hit L1 (the entry read them). GPU only (inline PTX)."""
+    nbytes = C * rows_ptr.dtype.element_ty.primitive_bitwidth // 8
+    for k in range(0, n):
+        for m in tl.static_range(M):
+            rid = tl.load(rid_ptr + u * (MP * RC) + m * RC + k).to(tl.int64)
+            ptr = rows_ptr + rid * W + ((j0 + k) * F + m * C) % W
+            tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
+                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                                      "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl.constexpr, FIN: tl.constexpr,
                  FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                  CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr, HOLD: tl.constexpr,
-                 FAST_CVT: tl.constexpr):
+                 FAST_CVT: tl.constexpr, L2B: tl.constexpr):
     """Unit u (live, at most two tokens) in two trips: its A^T rows and x, their xa; then its B rows,
     the two deltas and their adds. One matrix is held at a time, so a program takes about half the
     registers of the one-trip form and several programs share an SM: one's trips overlap another's
     arithmetic (the PHASED form). HOLD: each trip's loads all go out before its first product
-    (_after_all)."""
+    (_after_all). L2B: B's rows are asked of L2 (_l2_bulk_prefetch) as A's trip goes out, so the
+    second trip reads L2 while HBM streams every unit's rows at once."""
     t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
     never = n > 1 << 20  # (n <= RC always: a condition the compiler cannot fold)
     j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
     a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
+    if L2B:
+        _l2_bulk_prefetch(rows_ptr, brid_ptr, u, j0, n, FOUT, W, CB, MB, MBP, RC)
     x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
     x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
     if HOLD:
@@ -448,7 +468,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
                           NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
                           ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0, PHASED: tl.constexpr = 0,
-                          HOLD: tl.constexpr = 1, FAST_CVT: tl.constexpr = 0):
+                          HOLD: tl.constexpr = 1, FAST_CVT: tl.constexpr = 0, L2B: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [NU, MAP, RC], B rows from brid [NU, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -468,7 +488,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if PHASED:
         for u in range(p, tl.load(total_ptr), N_PROGRAMS):
             _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC, FIN, FOUT, W, CA, MA, MAP,
-                         CB, MB, MBP, ADDS, HOLD, FAST_CVT)
+                         CB, MB, MBP, ADDS, HOLD, FAST_CVT, L2B)
         return
     if TIMING:
         tl.store(times_ptr + p * 8, _now())

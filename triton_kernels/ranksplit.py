@@ -90,7 +90,7 @@ BLOCKS = {
     "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
                       decode=True, min_slots=16, max_slots=64, phased=False, hold=True,
-                      fast_cvt=False),
+                      fast_cvt=False, l2_prefetch=False),
 }
 
 
@@ -219,7 +219,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1], PHASED=int(phased),
-                 HOLD=int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))))
+                 HOLD=int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))),
+                 L2B=int(bool(s.get("l2_prefetch"))))
     return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
                                               num_stages=s["num_stages"])
 
