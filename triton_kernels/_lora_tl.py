@@ -408,13 +408,14 @@ def _l2_bulk_prefetch(rows_ptr, rid_ptr, u, j0, n, F: tl.constexpr, W: tl.conste
     copy engine) a chunk of C contiguous elements, from the first warp. Scalars: the loop's rid
     loads hit L1 (the entry read them). GPU only (inline PTX)."""
     nbytes = C * rows_ptr.dtype.element_ty.primitive_bitwidth // 8
-    for k in range(0, n):
+    for k in tl.static_range(RC):
         for m in tl.static_range(M):
             rid = tl.load(rid_ptr + u * (MP * RC) + m * RC + k).to(tl.int64)
             ptr = rows_ptr + rid * W + ((j0 + k) * F + m * C) % W
             tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
-                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                                      "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+                                      "@p setp.lt.s32 p, $3, $4; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                                      "mov.u32 $0, 0; }",
+                                      "=r,l,r,r,r", [ptr, nbytes, k, n], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -432,9 +433,10 @@ def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl
     never = n > 1 << 20  # (n <= RC always: a condition the compiler cannot fold)
     j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
-    a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
     if L2B:
         _l2_bulk_prefetch(rows_ptr, brid_ptr, u, j0, n, FOUT, W, CB, MB, MBP, RC)
+        tl.debug_barrier()  # (ptxas otherwise sinks the hints below A's products: they would go out a trip late)
+    a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
     x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
     x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
     if HOLD:
