@@ -6,7 +6,9 @@
 #      the carried wheels have it;
 #   3. RS_PROFILE: the llama-7b decode step (bench/profile_step.py, B 64 x 32 adapters, ranks
 #      64/32/16/8, context 512, pallas/pallas) once with the defaults and once with each setting
-#      in RS_PROFILE (JSON, space-separated), all in one process each.
+#      in RS_PROFILE (JSON, space-separated), all in one process each;
+#   4. RS_KERNELS: bench/kernels.py at issue 4's point (qkvo, 64 x 32, bf16 y, device time) once
+#      with each --lora-blocks setting in it (JSON, space-separated).
 # Everything goes under $OUT/ranksplit-check/ (logs, JSON), with a summary printed last.
 #   SLORA_COMMIT=$(git rev-parse --short HEAD) bash bench/ranksplit_check.sh
 set -uo pipefail
@@ -45,6 +47,16 @@ if [[ -n ${RS_PROFILE:-} ]]; then
     i=$((i + 1))
   done
 fi
+if [[ -n ${RS_KERNELS:-} ]]; then  # bench/kernels.py at issue 4's point, once a setting (JSON, space-separated)
+  i=0
+  for b in $RS_KERNELS; do
+    timeout "${T_RS_KERNELS:-150}" python3 bench/kernels.py --skip attention --modules qkvo --tokens 64 --adapters 32 \
+      --lora-variants pallas,ranksplit --y-dtype bfloat16 --device-time --lora-blocks "$b" \
+      --out "$D/kernels-$i.json" > "$D/kernels-$i.log" 2>&1
+    echo "kernels $i ($b) rc=$?"
+    i=$((i + 1))
+  done
+fi
 echo "=== summary"
 for f in "$D"/probe-*.json; do
   [[ -f $f ]] && python3 -c "
@@ -62,4 +74,7 @@ for run in r['runs']:
     lk = run['by_kind'].get('lora kernel', {})
     print('$f'.rsplit('/', 1)[-1], r.get('ranksplit_blocks'), 'device ms a step',
           round(run['device_us_per_step'] / 1e3, 3), 'lora kernels ms', round(lk.get('us_per_step', 0) / 1e3, 3))"
+done
+for f in "$D"/kernels-*.log; do
+  [[ -f $f ]] && { echo "${f##*/}"; grep -E "copy bandwidth|device time a call" "$f"; }
 done

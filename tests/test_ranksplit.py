@@ -47,8 +47,11 @@ SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t"
             # and its conversions in inline PTX (compiled only: the interpreter runs no PTX)
             "phased_fast_cvt": {**SMALL, "phased": True, "group_t": 2, "fast_cvt": True, "hold": False},
             # and B's rows asked of L2 by the bulk copy engine as A's trip goes out (inline PTX too)
-            "phased_l2": {**SMALL, "phased": True, "group_t": 2, "l2_prefetch": True, "fast_cvt": True}}
-COMPILED_ONLY = ("phased_fast_cvt", "phased_l2")
+            "phased_l2": {**SMALL, "phased": True, "group_t": 2, "l2_prefetch": True, "fast_cvt": True},
+            # each trip's hold in inline PTX (an add a register), in both forms (compiled only)
+            "hold_asm": {**SMALL, "hold": "asm"},
+            "phased_hold_asm": {**SMALL, "phased": True, "group_t": 2, "hold": "asm", "fast_cvt": True}}
+COMPILED_ONLY = ("phased_fast_cvt", "phased_l2", "hold_asm", "phased_hold_asm")
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
 INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small", "phased") else
                       () if k in COMPILED_ONLY else (jnp.float32,) for k in SETTINGS}

@@ -381,6 +381,33 @@ def _after_all(v, z):
 
 
 @triton.jit
+def _first_words(v):
+    """int32 of v's shape: in each 16 bytes of a thread's elements (one vector load where v was loaded
+    16-byte aligned), every element the first 32-bit word. Inline PTX (compiled only): copies that
+    ptxas folds, so a sum of them costs an add a load, where _bits' costs one an element."""
+    if v.dtype.primitive_bitwidth == 16:
+        r = tl.inline_asm_elementwise("{ mov.b32 $0, $8; mov.b32 $1, $8; mov.b32 $2, $8; mov.b32 $3, $8; "
+                                      "mov.b32 $4, $8; mov.b32 $5, $8; mov.b32 $6, $8; mov.b32 $7, $8; }",
+                                      "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32, is_pure=True, pack=8)
+    else:
+        r = tl.inline_asm_elementwise("{ mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4; }",
+                                      "=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32, is_pure=True, pack=4)
+    return r
+
+
+@triton.jit
+def _after_words(v, z):
+    """_after_all in inline PTX (compiled only): z (int32, 0 when it runs) added to each 32-bit word of
+    v, one add a register where _after_all unpacks 16-bit elements (its SASS: ~200 instructions a
+    warp a unit of the phased form, a quarter of them all)."""
+    if v.dtype.primitive_bitwidth == 16:
+        r = tl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r,r", [v, z], dtype=v.dtype, is_pure=True, pack=2)
+    else:
+        r = tl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r", [v, z], dtype=v.dtype, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
 def _f32(v, FAST: tl.constexpr):
     """v as float32. FAST (bf16 only, compiled only: the interpreter runs no PTX): two instructions a
     pair of elements (the low one shifted up, the high one masked) where ptxas's own conversion
@@ -419,6 +446,27 @@ def _l2_bulk_prefetch(rows_ptr, rid_ptr, u, j0, n, F: tl.constexpr, W: tl.conste
 
 
 @triton.jit
+def _hold_trip(a, b, x0, n, HOLD: tl.constexpr):
+    """A one-trip unit's rows and x unchanged; at HOLD 2 (_first_words, _after_words: compiled only)
+    every product waits on all of the trip's loads (ptxas otherwise issues B's after the shrink's
+    first products: its SASS for the default form had 4 of a thread's 12 loads ~160 instructions
+    late). Where A's and B's tiles differ in shape, each waits on its own and x's loads only."""
+    if HOLD == 2:
+        never = n > 1 << 20
+        za = tl.sum(_first_words(a), axis=0) + tl.sum(_first_words(x0), axis=0)
+        zb = tl.sum(_first_words(b), axis=0)
+        if a.shape == b.shape:
+            za = za + zb
+            zb = za
+        za = tl.where(never, za, 0)
+        zb = tl.where(never, zb, 0)
+        a = _after_words(a, za[None])
+        x0 = _after_words(x0, za[None])
+        b = _after_words(b, zb[None])
+    return a, b, x0
+
+
+@triton.jit
 def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl.constexpr, FIN: tl.constexpr,
                  FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                  CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr, HOLD: tl.constexpr,
@@ -439,7 +487,13 @@ def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl
     a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
     x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
     x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
-    if HOLD:
+    if HOLD == 2:
+        za = tl.where(never, tl.sum(_first_words(a), axis=0) + _first_words(x0) + _first_words(x1)
+                      + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
+        a = _after_words(a, za[None])
+        x0 = _after_words(x0, za)
+        x1 = _after_words(x1, za)
+    elif HOLD:
         za = tl.where(never, tl.sum(_bits(a), axis=0) + _bits(x0) + _bits(x1) + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
         a = _after_all(a, za[None])
         x0 = _after_all(x0, za)
@@ -452,7 +506,9 @@ def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl
     xa1 = xa1.to(rty).to(tl.float32)
     # B's trip after the shrink: a row's mask waits on its xa (a NaN xa reads no B, its deltas NaN still)
     b = _rows_tile(rows_ptr, rb, j, live & (xa0 + xa1 == xa0 + xa1), FOUT, W, CB, MB, MBP)
-    if HOLD:
+    if HOLD == 2:
+        b = _after_words(b, tl.where(never, tl.sum(_first_words(b), axis=0), 0)[None])
+    elif HOLD:
         b = _after_all(b, tl.where(never, tl.sum(_bits(b), axis=0), 0)[None])
     bf = _f32(b, FAST_CVT)
     mb = tl.arange(0, MBP)[:, None]
@@ -520,6 +576,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
             t0n, t1n, nn, j0n, ran, rbn = t0f, t1f, nf, j0f, raf, rbf
             units += 1
     else:
+        a, b, x0 = _hold_trip(a, b, x0, n, HOLD)
         _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, True, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
                       CB, MB, MBP, TIMING, ADDS)
         units = 1
@@ -527,6 +584,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
             t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
             a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP,
                                   CB, MB, MBP)
+            a, b, x0 = _hold_trip(a, b, x0, n, HOLD)
             _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, False, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
                           CB, MB, MBP, 0, ADDS)
             units += 1

@@ -219,7 +219,7 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1], PHASED=int(phased),
-                 HOLD=int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))),
+                 HOLD=2 if s.get("hold", True) == "asm" else int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))),
                  L2B=int(bool(s.get("l2_prefetch"))))
     return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
                                               num_stages=s["num_stages"])
