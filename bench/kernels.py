@@ -485,7 +485,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
         return onetrip.onetrip_apply(jnp.zeros((t, fout), ydt), s["x"], rows, sp, ep, max_rank=rmax, interpret=interp)
 
     def rank_split(rows, s):
-        return ranksplit.ranksplit_apply(jnp.zeros((t, fout), ydt), s["x"], rows, s["ranksplit_table"], fin=fin, fout=fout)
+        return ranksplit.ranksplit_apply(jnp.zeros((t, fout), ydt), s["x"], rows, s["ranksplit_table"], fin=fin, fout=fout,
+                                         slots=n)
 
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
                 "triton": triton if opts["triton"] else None, "fused": fused,

@@ -39,6 +39,7 @@ KINDS = {"cvt": ("SHF", "PRMT", "F2F", "F2FP", "LOP3"), "math": ("FFMA", "FMUL",
 def job(name: str, settings: dict, probe: str = "", t: int = 64, n: int = 32, fin: int = 4096) -> dict:
     ranks = np.array([(8, 16, 32, 64)[k % 4] for k in range(n)], np.int32)
     seg = np.arange(n + 1, dtype=np.int32) * (t // n)
+    settings = rs.form(t, n, settings)
     table = rs.plan(ranks, np.zeros((n, 64), np.int32), np.zeros((n, 64), np.int32), seg, t, fin=fin, fout=fin,
                     width=fin, max_rank=64, settings=settings)
     arrays, const, _, options = rs.launch_args(jnp.zeros((t, fin), jnp.bfloat16), jnp.zeros((t, fin), jnp.bfloat16),

@@ -420,7 +420,8 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
         plans = lora.schedules or {}
         schedule = plans.get(module)
         if "ranksplit:" + module in plans:  # a decode step's rank-split kernel (ranksplit_plans)
-            return ranksplit.ranksplit_apply(y, x, rows, plans["ranksplit:" + module], fin=fin, fout=fout)
+            return ranksplit.ranksplit_apply(y, x, rows, plans["ranksplit:" + module], fin=fin, fout=fout,
+                                             slots=lora.ranks[module].shape[0])
         if "onetrip-apply:" + module in plans:  # one launch (onetrip_plans)
             return onetrip.onetrip_apply(y, x, rows, *plans["onetrip-apply:" + module], max_rank=lora.max_rank)
         if lora.backend == "triton":

@@ -34,24 +34,23 @@ from triton_kernels import ranksplit as rs
 # where the references round once, as the split-K and coop kernels' partial sums do (2e-2 there too)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPE_ID = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
-DEFAULT = dict(rs.BLOCKS["ranksplit"])
+DEFAULT = dict(rs.BLOCKS["ranksplit"])  # phased or not by each case's size (rs.form)
+ONETRIP = {**DEFAULT, "phased": False}
 # several units a program, 4 rank rows a unit, 2 steps of 2 tokens a unit
-SMALL = {**DEFAULT, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
+SMALL = {**ONETRIP, "rank_rows": 4, "group_t": 4, "block_t": 2, "max_programs": 5, "num_warps": 4}
 # the two token forms: pairs (block_t 2: the defaults and SMALL), one by one (block_t 1 and 4)
 SETTINGS = {"default": DEFAULT, "small": SMALL, "tokenwise": {**SMALL, "block_t": 1, "group_t": 3},
             "tokenwise4": {**SMALL, "block_t": 4, "group_t": 8, "max_programs": 132},
             # the next unit's rows in flight while a unit computes: 2-9 units a program, 2 steps a unit
             "prefetch": {**SMALL, "prefetch": True, "prefetch_programs": 5, "prefetch_warps": 4},
-            # each unit in two trips (A^T rows and x, then B rows), units of at most two tokens, 1-9 a program
+            # each unit in two trips (A^T rows and x, then B rows), units of at most two tokens, 1-9 a
+            # program; its hold and conversions in inline PTX (the defaults), which the interpreter
+            # runs as their Triton twins (launch_args' interpret)
             "phased": {**SMALL, "phased": True, "group_t": 2},
-            # and its conversions in inline PTX (compiled only: the interpreter runs no PTX)
-            "phased_fast_cvt": {**SMALL, "phased": True, "group_t": 2, "fast_cvt": True, "hold": False},
-            # and B's rows asked of L2 by the bulk copy engine as A's trip goes out (inline PTX too)
-            "phased_l2": {**SMALL, "phased": True, "group_t": 2, "l2_prefetch": True, "fast_cvt": True},
-            # each trip's hold in inline PTX (an add a register), in both forms (compiled only)
-            "hold_asm": {**SMALL, "hold": "asm"},
-            "phased_hold_asm": {**SMALL, "phased": True, "group_t": 2, "hold": "asm", "fast_cvt": True}}
-COMPILED_ONLY = ("phased_fast_cvt", "phased_l2", "hold_asm", "phased_hold_asm")
+            # the same compiled with those twins, and with no hold (the interpreter ran both as "phased")
+            "phased_twins": {**SMALL, "phased": True, "group_t": 2, "hold": True, "fast_cvt": False},
+            "phased_nohold": {**SMALL, "phased": True, "group_t": 2, "hold": False, "fast_cvt": False}}
+COMPILED_ONLY = ("phased_twins", "phased_nohold")
 # the defaults and SMALL in both dtypes, the other forms in float32 (the interpreter's time on 2 cores)
 INTERPRETED_DTYPES = {k: (jnp.float32, jnp.bfloat16) if k in ("default", "small", "phased") else
                       () if k in COMPILED_ONLY else (jnp.float32,) for k in SETTINGS}
@@ -70,6 +69,11 @@ def want_of(case, args):
     y, x, rows, a_rows, b_rows, ranks, seg = args
     xa = ref.lora_shrink_reference(x, rows, a_rows, ranks, seg, max_rank=MAX_RANK, in_features=case.fin)
     return ref.lora_expand_reference(y, xa, rows, b_rows, ranks, seg, max_rank=MAX_RANK, out_features=case.fout)
+
+
+def resolved(args, settings):
+    """rs.form's settings for this case's launch (TOKENS over its slots): plan's and the launch's."""
+    return rs.form(TOKENS, len(args[5]), settings)
 
 
 def table_of(case, args, settings):
@@ -94,8 +98,8 @@ def check(got, case, args, seg, ranks, dtype, tol=None):
 def test_plan_covers_every_rank_row_once(name, setting):
     """Each (token, rank row) of a live slot is in exactly one unit, every pool row named is the
     slot's own, and the table's tail past the live units is zeros."""
-    s = SETTINGS[setting]
     case, args, seg, ranks = inputs(name, jnp.float32)
+    s = resolved(args, SETTINGS[setting])
     total, meta, arid, brid = table_of(case, args, s)
     a_rows, b_rows = np.asarray(args[3]), np.asarray(args[4])
     u = int(total[0])
@@ -163,7 +167,7 @@ def test_engine_tables_are_cached_by_their_inputs():
 def test_prefetch_form_by_table_size():
     """The prefetch form (its own warps and programs) from prefetch_units table entries on, unless
     forced on or off; the launch's options follow."""
-    s = {**DEFAULT, "prefetch": None, "prefetch_units": 768}
+    s = {**ONETRIP, "prefetch": None, "prefetch_units": 768}
     assert not rs.takes_prefetch(767, s) and rs.takes_prefetch(768, s)
     assert rs.takes_prefetch(1, {**s, "prefetch": True}) and not rs.takes_prefetch(10 ** 6, {**s, "prefetch": False})
     case, args, *_ = inputs("decode", jnp.float32)
@@ -174,6 +178,32 @@ def test_prefetch_form_by_table_size():
         assert const["PREFETCH"] == int(forced)
         assert opts["num_warps"] == s2["prefetch_warps" if forced else "num_warps"]
         assert grid[0] <= s2["prefetch_programs" if forced else "max_programs"]
+
+
+def test_phased_form_by_tokens_a_slot():
+    """form: the phased form (units of two tokens, phased_programs programs, no prefetch) where a
+    launch's tokens are at most phased_per_slot a slot on average, the one-trip settings above, an
+    explicit phased as given. launch_args refuses an undecided form and gives the interpreter the
+    inline-PTX forms' Triton twins."""
+    s = {**DEFAULT, "phased": None, "phased_per_slot": 2}
+    at = rs.form(64, 32, s)
+    assert at["phased"] and at["group_t"] == at["block_t"] == 2 and not at["prefetch"]
+    assert at["max_programs"] == s["phased_programs"]
+    above = rs.form(65, 32, s)
+    assert above["phased"] is False and above["group_t"] == s["group_t"] and above["max_programs"] == s["max_programs"]
+    assert rs.form(10 ** 4, 1, {**s, "phased": True})["group_t"] == s["group_t"]
+    with pytest.raises(ValueError, match="slots"):
+        rs.form(64, None, s)
+    case, args, *_ = inputs("decode", jnp.float32)
+    with pytest.raises(ValueError, match="phased is None"):
+        rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin, fout=case.fout, settings=s)
+    r = resolved(args, {**s, "phased_per_slot": 10 ** 6})
+    table = table_of(case, args, r)
+    assert (table[1][:, 1] - table[1][:, 0] <= 2).all()
+    for interpret, hold, fast in ((False, 2, 1), (True, 1, 0)):
+        _, const, grid, _ = rs.launch_args(args[0], args[1], args[2], table, fin=case.fin, fout=case.fout,
+                                           settings=r, interpret=interpret)
+        assert (const["PHASED"], const["HOLD"], const["FAST_CVT"], grid[0]) == (1, hold, fast, min(len(table[1]), 1024))
 
 
 def test_applies():
@@ -197,7 +227,7 @@ def interpreted(tmp_path_factory):
             for dtype in INTERPRETED_DTYPES[setting]:
                 case, args, *_ = inputs(name, dtype)
                 launch = rs.launch_args(args[0], args[1], args[2], table_of(case, args, s), fin=case.fin,
-                                        fout=case.fout, settings=s)
+                                        fout=case.fout, settings=resolved(args, s), interpret=True)
                 job = _job(f"{setting}-{name}-{DTYPE_ID[dtype]}", "lora_ranksplit_kernel", launch, arrays)
                 job["outs"] = [["alias", len(job["arrays"]) - 1], ["new", [1], "int32", 0]]  # y; times (unused)
                 jobs.append(job)
@@ -211,28 +241,31 @@ class TestInterpreter:
     def test_matches_reference(self, interpreted, name, dtype, setting):
         if dtype not in INTERPRETED_DTYPES[setting]:
             pytest.skip("this form runs in float32 under the interpreter (both dtypes on the GPU)"
-                        if INTERPRETED_DTYPES[setting] else "this form runs compiled only (inline PTX)")
+                        if INTERPRETED_DTYPES[setting] else "the interpreter runs this form as 'phased'")
         case, args, seg, ranks = inputs(name, dtype)
         check(interpreted[f"{setting}-{name}-{DTYPE_ID[dtype]}"], case, args, seg, ranks, dtype)
 
 
 def test_compiles_for_h200(tmp_path):
     """The kernel for sm_90 down to a cubin on the CPU (tests/triton_compile.py): issue 4's shape
-    (4096 -> 4096, W 4096) in every form (timing stamps included) and with each probe of
+    (4096 -> 4096, W 4096) in every form (the one-trip form's timing stamps included) and with each probe of
     bench/ranksplit_timing.py --probe, GQA's k/v (4096 -> 1024), llama-7b's MLP (11008: 43 chunks a
     row, padded to 64), y bf16 and float32."""
     py = interpreter_python()
     if py is None:
         pytest.skip("no Python with triton and torch (set SLORA_TRITON_PYTHON)")
     jobs = []
-    forms = [((4096, 4096), jnp.bfloat16, DEFAULT, False), ((4096, 4096), jnp.bfloat16, DEFAULT, True),
+    forms = [((4096, 4096), jnp.bfloat16, DEFAULT, False), ((4096, 4096), jnp.bfloat16, ONETRIP, False),
+             ((4096, 4096), jnp.bfloat16, ONETRIP, True),
              ((4096, 4096), jnp.bfloat16, SETTINGS["tokenwise"], True), ((4096, 4096), jnp.float32, SETTINGS["tokenwise4"], False),
              ((4096, 1024), jnp.float32, SMALL, False), ((4096, 11008), jnp.bfloat16, DEFAULT, False),
              ((11008, 4096), jnp.float32, SETTINGS["tokenwise"], False),
-             ((4096, 4096), jnp.bfloat16, {**DEFAULT, "prefetch": True}, True)]
-    forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, DEFAULT, False, p) for p in rs.PROBES if p]
+             ((4096, 4096), jnp.bfloat16, {**ONETRIP, "prefetch": True}, True),
+             ((4096, 1024), jnp.float32, SETTINGS["phased_twins"], False)]
+    forms = [f + ("",) for f in forms] + [((4096, 4096), jnp.bfloat16, ONETRIP, False, p) for p in rs.PROBES if p]
     for (fin, fout), ydt, s, timing, probe in forms:
         t, sa = 64, 32
+        s = rs.form(t, sa, s)  # DEFAULT: phased at 64 x 32
         ranks = np.array([(8, 16, 32, 64)[k % 4] for k in range(sa)], np.int32)
         seg = np.arange(sa + 1, dtype=np.int32) * (t // sa)
         a_rows = np.zeros((sa, -(-64 * fin // 4096)), np.int32)
@@ -277,7 +310,7 @@ class TestRanksplitGPU:
         rs.BLOCKS["ranksplit"] = dict(SETTINGS[setting])
         case, args, seg, ranks = inputs(name, dtype)
         got = rs.ranksplit_apply(args[0], args[1], args[2], table_of(case, args, SETTINGS[setting]),
-                                 fin=case.fin, fout=case.fout)
+                                 fin=case.fin, fout=case.fout, slots=len(ranks))
         check(got, case, args, seg, ranks, dtype, self.TOL[dtype])
 
     def test_llama_shape_repeated(self):
@@ -286,7 +319,7 @@ class TestRanksplitGPU:
         pool, x, y, a_idx, b_idx, ranks, seg, want = llama_point(11)
         t, fin = x.shape
         table = tuple(map(jnp.asarray, rs.plan(ranks, a_idx, b_idx, seg, t, fin=fin, fout=fin, width=fin, max_rank=64)))
-        f = jax.jit(lambda y, x: rs.ranksplit_apply(y, x, pool, table, fin=fin, fout=fin))
+        f = jax.jit(lambda y, x: rs.ranksplit_apply(y, x, pool, table, fin=fin, fout=fin, slots=len(ranks)))
         for _ in range(20):
             got = f(y, x)
         assert rel_err(got, want) < 2e-2, rel_err(got, want)

@@ -428,62 +428,19 @@ def _x_row(x_ptr, t, ok, FIN: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, 
 
 
 @triton.jit
-def _l2_bulk_prefetch(rows_ptr, rid_ptr, u, j0, n, F: tl.constexpr, W: tl.constexpr, C: tl.constexpr,
-                      M: tl.constexpr, MP: tl.constexpr, RC: tl.constexpr):
-    """Ask L2 for unit u's matrix rows (rank rows j0 .. j0 + n - 1, their chunks' pool rows in rid
-    [U, MP, RC]) without waiting or holding anything: one `cp.async.bulk.prefetch.L2` (sm_90's bulk
-    copy engine) a chunk of C contiguous elements, from the first warp. Scalars: the loop's rid
-    loads hit L1 (the entry read them). GPU only (inline PTX)."""
-    nbytes = C * rows_ptr.dtype.element_ty.primitive_bitwidth // 8
-    for k in tl.static_range(RC):
-        for m in tl.static_range(M):
-            rid = tl.load(rid_ptr + u * (MP * RC) + m * RC + k).to(tl.int64)
-            ptr = rows_ptr + rid * W + ((j0 + k) * F + m * C) % W
-            tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; "
-                                      "@p setp.lt.s32 p, $3, $4; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                                      "mov.u32 $0, 0; }",
-                                      "=r,l,r,r,r", [ptr, nbytes, k, n], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _hold_trip(a, b, x0, n, HOLD: tl.constexpr):
-    """A one-trip unit's rows and x unchanged; at HOLD 2 (_first_words, _after_words: compiled only)
-    every product waits on all of the trip's loads (ptxas otherwise issues B's after the shrink's
-    first products: its SASS for the default form had 4 of a thread's 12 loads ~160 instructions
-    late). Where A's and B's tiles differ in shape, each waits on its own and x's loads only."""
-    if HOLD == 2:
-        never = n > 1 << 20
-        za = tl.sum(_first_words(a), axis=0) + tl.sum(_first_words(x0), axis=0)
-        zb = tl.sum(_first_words(b), axis=0)
-        if a.shape == b.shape:
-            za = za + zb
-            zb = za
-        za = tl.where(never, za, 0)
-        zb = tl.where(never, zb, 0)
-        a = _after_words(a, za[None])
-        x0 = _after_words(x0, za[None])
-        b = _after_words(b, zb[None])
-    return a, b, x0
-
-
-@triton.jit
 def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl.constexpr, FIN: tl.constexpr,
                  FOUT: tl.constexpr, W: tl.constexpr, CA: tl.constexpr, MA: tl.constexpr, MAP: tl.constexpr,
                  CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, ADDS: tl.constexpr, HOLD: tl.constexpr,
-                 FAST_CVT: tl.constexpr, L2B: tl.constexpr):
+                 FAST_CVT: tl.constexpr):
     """Unit u (live, at most two tokens) in two trips: its A^T rows and x, their xa; then its B rows,
     the two deltas and their adds. One matrix is held at a time, so a program takes about half the
     registers of the one-trip form and several programs share an SM: one's trips overlap another's
     arithmetic (the PHASED form). HOLD: each trip's loads all go out before its first product
-    (_after_all). L2B: B's rows are asked of L2 (_l2_bulk_prefetch) as A's trip goes out, so the
-    second trip reads L2 while HBM streams every unit's rows at once."""
+    (HOLD 1: _after_all; 2: _after_words, compiled only). FAST_CVT: _f32's inline PTX."""
     t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
     never = n > 1 << 20  # (n <= RC always: a condition the compiler cannot fold)
     j = j0 + tl.arange(0, RC)
     live = tl.arange(0, RC) < n
-    if L2B:
-        _l2_bulk_prefetch(rows_ptr, brid_ptr, u, j0, n, FOUT, W, CB, MB, MBP, RC)
-        tl.debug_barrier()  # (ptxas otherwise sinks the hints below A's products: they would go out a trip late)
     a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
     x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
     x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
@@ -526,7 +483,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
                           CB: tl.constexpr, MB: tl.constexpr, MBP: tl.constexpr, N_PROGRAMS: tl.constexpr,
                           NU: tl.constexpr, PREFETCH: tl.constexpr = 0, TIMING: tl.constexpr = 0,
                           ADDS: tl.constexpr = 0, EMPTY: tl.constexpr = 0, PHASED: tl.constexpr = 0,
-                          HOLD: tl.constexpr = 1, FAST_CVT: tl.constexpr = 0, L2B: tl.constexpr = 0):
+                          HOLD: tl.constexpr = 1, FAST_CVT: tl.constexpr = 0):
     """y[t] += (x[t] @ A_s[:, J]) @ B_s[J, :] for every unit (tokens [t0, t1) of slot s, its rank rows
     J = j0 .. j0 + n - 1): meta [NU, 4] = (t0, t1, n, j0), zeros past the total [1] live units; A^T
     rows from arid [NU, MAP, RC], B rows from brid [NU, MBP, RC]. y_ptr aliases _y_in_ptr. Program p
@@ -546,7 +503,7 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
     if PHASED:
         for u in range(p, tl.load(total_ptr), N_PROGRAMS):
             _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC, FIN, FOUT, W, CA, MA, MAP,
-                         CB, MB, MBP, ADDS, HOLD, FAST_CVT, L2B)
+                         CB, MB, MBP, ADDS, HOLD, FAST_CVT)
         return
     if TIMING:
         tl.store(times_ptr + p * 8, _now())
@@ -576,7 +533,6 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
             t0n, t1n, nn, j0n, ran, rbn = t0f, t1f, nf, j0f, raf, rbf
             units += 1
     else:
-        a, b, x0 = _hold_trip(a, b, x0, n, HOLD)
         _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, True, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
                       CB, MB, MBP, TIMING, ADDS)
         units = 1
@@ -584,7 +540,6 @@ def lora_ranksplit_kernel(total_ptr, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_p
             t0, t1, n, j0, ra, rb = _unit_entry(u, True, meta_ptr, arid_ptr, brid_ptr, RC, MAP, MBP)
             a, b, x0 = _unit_rows(t0, t1, n, j0, ra, rb, x_ptr, rows_ptr, RC, BLOCK_T, FIN, FOUT, W, CA, MA, MAP,
                                   CB, MB, MBP)
-            a, b, x0 = _hold_trip(a, b, x0, n, HOLD)
             _unit_compute(t0, t1, n, a, b, x0, x_ptr, y_ptr, times_ptr, p * 8, False, RC, BLOCK_T, FIN, FOUT, CA, MA, MAP,
                           CB, MB, MBP, 0, ADDS)
             units += 1

@@ -87,10 +87,23 @@ BLOCKS = {
     # rebuilt as the batch changes) takes what the device saves. Cheaper tables first.
     # Lost and removed: rank_rows 2 (9.1-9.7 at 64 x 32), tiles laid out [vectors, rank rows, 8]
     # (8.49), the next unit's rows asked of L2 by prefetch.global.L2 instead of held (10.5).
+    # phased (sessions 30-31): each unit (at most two tokens) in two trips, A^T rows and x then B
+    # rows, so a program of 16 warps holds one matrix (60 registers: two programs an SM). None:
+    # taken where a launch's tokens are at most phased_per_slot a slot on average (form), in units
+    # of two tokens over phased_programs programs (one unit each at decode sizes). hold (phased
+    # only): each trip's loads all issued before its first product, "asm" by an add a 32-bit
+    # register of inline PTX (compiled only; True: the same in Triton, ~200 instructions a warp a
+    # unit more; False: ptxas interleaves them), fast_cvt (phased only): bf16 to float32 in inline
+    # PTX. H200, device µs a launch, one process a point (session 31, call 1):
+    #   64 x 32: one-trip 8.32 / 8.35, phased (hold True) 8.33, hold "asm" 8.07, + fast_cvt 8.06;
+    #   32 x 16: 7.39 / 7.25, 6.47, 5.96, 5.69;   64 x 64: 12.73 / 12.94, 13.02, 12.40, 12.07;
+    #   256 x 32 (8 tokens a slot: phased reads each adapter's rows 4 times): 17.88 / 17.70, 21.08,
+    #   19.42, 19.02. The one-trip form with its loads held the same way lost (9.96 at 64 x 32);
+    #   B's rows asked of L2 by cp.async.bulk.prefetch as A's trip goes out lost (9.8; session 30).
     "ranksplit": dict(rank_rows=4, num_warps=16, num_stages=1, block_t=2, group_t=8, max_programs=264,
                       prefetch=None, prefetch_units=768, prefetch_warps=8, prefetch_programs=132,
-                      decode=True, min_slots=16, max_slots=64, phased=False, hold=True,
-                      fast_cvt=False, l2_prefetch=False),
+                      decode=True, min_slots=16, max_slots=64, phased=None, phased_per_slot=2,
+                      phased_programs=1024, hold="asm", fast_cvt=True),
 }
 
 
@@ -111,6 +124,22 @@ def set_blocks(over: str | dict | None = None) -> dict:
     if over:
         _merge_blocks(over, "ranksplit.set_blocks", BLOCKS)
     return BLOCKS
+
+
+def form(t: int, slots: int | None, settings=None) -> dict:
+    """The settings a launch of t tokens over `slots` slots takes: BLOCKS["ranksplit"] (or settings)
+    with `phased` decided where it is None: the phased form where the launch's tokens are at most
+    phased_per_slot a slot on average (decode over many adapters: units of two tokens read each
+    adapter's rows once), with group_t and block_t 2, no prefetch and phased_programs programs.
+    An explicit phased is taken as given (launch_args checks it)."""
+    s = dict(settings or BLOCKS["ranksplit"])
+    if s.get("phased") is None:
+        if slots is None:
+            raise ValueError('BLOCKS["ranksplit"]["phased"] is None (by size): pass the launch\'s slots')
+        s["phased"] = t <= s["phased_per_slot"] * slots
+        if s["phased"]:
+            s.update(group_t=2, block_t=2, prefetch=False, max_programs=s["phased_programs"])
+    return s
 
 
 def _chunk(width: int, features: int) -> tuple[int, int, int]:
@@ -139,7 +168,7 @@ def applies(width: int, fin: int, fout: int, y_dtype=None, padded: bool = False)
 def bound_units(t: int, slots: int, max_rank: int, settings=None) -> int:
     """Most units any step of t tokens over `slots` slots can need: its token groups (sum of
     ceil(len / group_t)) times ceil(max_rank / RC)."""
-    s = settings or BLOCKS["ranksplit"]
+    s = form(t, slots, settings)
     g = s["group_t"]
     return max(1, (t + slots * (g - 1)) // g) * -(-max_rank // s["rank_rows"])
 
@@ -150,8 +179,10 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
     [U, MB, RC]) int32, U = bound_units. Unit u has meta (first token, end token, live rank rows,
     first rank row j0) and arid[u, m, k] the pool row holding the m-th chunk of A^T row j0 + k (brid:
     of B row j0 + k); entries past the live rows are 0 and never read. ranks [Sa], a_rows / b_rows
-    [Sa, RA] / [Sa, RB] the slots' pool row indices (lora.py's layout), seg_starts [Sa + 1]."""
-    s = settings or BLOCKS["ranksplit"]
+    [Sa, RA] / [Sa, RB] the slots' pool row indices (lora.py's layout), seg_starts [Sa + 1].
+    settings: form's for t tokens over Sa slots (the launch must take the same: ranksplit_apply's
+    slots or settings)."""
+    s = form(t, len(ranks), settings)
     rc, g = s["rank_rows"], s["group_t"]
     if g % s["block_t"]:
         raise ValueError(f'BLOCKS["ranksplit"]: group_t {g} is not a multiple of block_t {s["block_t"]}')
@@ -192,14 +223,19 @@ def plan(ranks, a_rows, b_rows, seg_starts, t: int, *, fin: int, fout: int, widt
 PROBES = {"": (0, 0), "stores": (1, 0), "no_adds": (2, 0), "reads_only": (3, 0), "empty": (0, 1)}
 
 
-def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = ""):
+def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing: bool = False, probe: str = "",
+                interpret: bool = False):
     """(arrays, constexprs, grid, launch options) for lora_ranksplit_kernel; the last array is y,
     which the output aliases (the kernel's next argument, times, is a second output: [programs, 8]
     int32 with timing, else one unused entry). table: plan's four arrays. probe (PROBES; bench/
     ranksplit_timing.py --probe only, its y is wrong): "stores", plain stores for the atomic adds;
     "no_adds", nothing written; "reads_only", every load but almost no arithmetic (at MAP == MBP,
-    CA == CB only); "empty", each program reads its first entry and ends."""
+    CA == CB only); "empty", each program reads its first entry and ends. settings: form's (phased
+    decided). interpret (Triton's interpreter, which runs no PTX): the inline-PTX forms' Triton
+    twins (hold "asm" as True, fast_cvt off: the same values, more instructions)."""
     s = settings or BLOCKS["ranksplit"]
+    if s.get("phased") is None:
+        raise ValueError('ranksplit.launch_args: phased is None; take form(t, slots, settings)\'s settings')
     width = rows.shape[1]
     total, meta, arid, brid = (jnp.asarray(a, jnp.int32) for a in table)
     ca, ma, map_ = _chunk(width, fin)
@@ -219,8 +255,8 @@ def launch_args(y, x, rows, table, *, fin: int, fout: int, settings=None, timing
                  CB=cb, MB=mb, MBP=mbp, N_PROGRAMS=n_programs, NU=meta.shape[0], PREFETCH=int(prefetch),
                  TIMING=int(timing), ADDS=PROBES[probe][0],
                  EMPTY=PROBES[probe][1], PHASED=int(phased),
-                 HOLD=2 if s.get("hold", True) == "asm" else int(bool(s.get("hold", True))), FAST_CVT=int(bool(s.get("fast_cvt"))),
-                 L2B=int(bool(s.get("l2_prefetch"))))
+                 HOLD=(1 if interpret else 2) if s["hold"] == "asm" else int(bool(s["hold"])),
+                 FAST_CVT=int(bool(s["fast_cvt"]) and not interpret))
     return arrays, const, (n_programs,), dict(num_warps=s["prefetch_warps" if prefetch else "num_warps"],
                                               num_stages=s["num_stages"])
 
@@ -232,12 +268,14 @@ def takes_prefetch(units: int, settings=None) -> bool:
     return bool(s["prefetch"]) if s["prefetch"] is not None else units >= s["prefetch_units"]
 
 
-def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int):
+def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int, slots=None, settings=None):
     """What the kernel computes, in jnp, from the same table: for each live unit, its tokens' x times
     its A^T rows (float32 sums, rounded to the pool's dtype), times its B rows, added into y. The
     table's check against lora.py's references and the kernel's stand-in off the GPU
-    (tests/test_ranksplit.py). group_t: BLOCKS["ranksplit"]'s, as plan's."""
-    return _reference(y, x, rows, tuple(table), fin=fin, fout=fout, g=BLOCKS["ranksplit"]["group_t"])
+    (tests/test_ranksplit.py). A unit's tokens are [t0, t1): any group_t at least the table's
+    covers them (BLOCKS["ranksplit"]'s, or settings', is one: the phased form's 2 is less)."""
+    g = (settings or BLOCKS["ranksplit"])["group_t"]
+    return _reference(y, x, rows, tuple(table), fin=fin, fout=fout, g=max(g, 2))
 
 
 @functools.partial(jax.jit, static_argnames=("fin", "fout", "g"))
@@ -272,8 +310,8 @@ def _reference(y, x, rows, table, *, fin: int, fout: int, g: int):
     return (y.astype(jnp.float32) + delta).astype(y.dtype)
 
 
-def _frozen() -> tuple:
-    return tuple(sorted(BLOCKS["ranksplit"].items()))
+def _frozen(settings=None) -> tuple:
+    return tuple(sorted((settings or BLOCKS["ranksplit"]).items()))
 
 
 @functools.partial(jax.jit, static_argnames=("fin", "fout", "settings", "timing", "probe"))
@@ -291,14 +329,16 @@ def _apply(y, x, rows, table, *, fin, fout, settings, timing=False, probe=""):
     return (y, times) if timing else y
 
 
-def ranksplit_apply(y, x, rows, table, *, fin: int, fout: int, interpret=None):
+def ranksplit_apply(y, x, rows, table, *, fin: int, fout: int, slots: int | None = None, settings=None,
+                    interpret=None):
     """y + (x @ A_s) @ B_s for the tokens of every slot s in `table` (plan's), base tokens unchanged,
-    in y's dtype: one launch. Compiled on a GPU only (Triton's interpreter runs the kernel body on
-    torch tensors in tests/test_triton_kernels.py)."""
+    in y's dtype: one launch, in form(y's tokens, slots, settings)'s form (plan's for the same t,
+    slots and settings). Compiled on a GPU only (Triton's interpreter runs the kernel body on torch
+    tensors in tests/test_triton_kernels.py)."""
     if interpret:
         raise ValueError("triton_kernels run compiled only; Triton's interpreter runs the kernel "
                          "bodies on torch tensors (tests/test_triton_kernels.py)")
     if not applies(rows.shape[1], fin, fout, y.dtype, padded=True):
         raise ValueError(f"ranksplit does not apply to in {fin}, out {fout}, pool width {rows.shape[1]}, "
                          f"y {y.dtype} (see ranksplit.applies)")
-    return _apply(y, x, rows, tuple(table), fin=fin, fout=fout, settings=_frozen())
+    return _apply(y, x, rows, tuple(table), fin=fin, fout=fout, settings=_frozen(form(y.shape[0], slots, settings)))
