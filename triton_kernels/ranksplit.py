@@ -23,9 +23,18 @@ and the pool rows of its A^T rows and B rows. Programs walk units p, p + P, ... 
 in registers, one program an SM at a time, two waves of 132 at most). In larger launches (the
 prefetch form, from prefetch_units table entries on) each of 132 programs of 8 warps keeps its next
 unit's rows in flight while it computes one, so its loads overlap its arithmetic (two units' rows
-held in registers). A unit loops over its tokens block_t at a time with its rows held, so an adapter's rows are read once for up to group_t tokens of its slot; base tokens and
-empty slots have no units; padding is bounded by one unit's RC rows (rows past the rank are masked:
-no traffic, no products that count).
+held in registers). A unit loops over its tokens block_t at a time with its rows held, so an
+adapter's rows are read once for up to group_t tokens of its slot; base tokens and empty slots have
+no units; padding is bounded by one unit's RC rows (rows past the rank are masked: no traffic, no
+products that count).
+
+The phased form (`form`: by default where a launch's tokens are at most two a slot on average,
+decode over many adapters). Units of at most two tokens, one a program, each in two trips: its A^T
+rows and x, their xa; then its B rows, the deltas and their adds. A program holds one matrix at a
+time (60 registers in 16 warps: two programs an SM, so one's trip overlaps another's arithmetic),
+and each trip's loads all go out before its first product (hold "asm": one add of inline PTX a
+register ties every product to every load; ptxas interleaves them otherwise). Issue 4's point
+8.05-8.2 µs a launch against the one-trip form's 8.3-8.4 (bench/NOTES.md, session 31).
 
 Precision: products and sums in float32; xa is rounded to the pool's dtype before the expand, as the
 two-kernel pair stores it. The atomic adds make y's last bits depend on the order the programs of
