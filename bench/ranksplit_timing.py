@@ -138,8 +138,7 @@ def main() -> None:
         table = rs.plan(ranks, np.asarray(a_idx), np.asarray(b_idx), seg, a.tokens, fin=fin, fout=fin, width=fin,
                         max_rank=64)
         runs.append(((y, x, pool), tuple(map(jnp.asarray, table)), table))
-    f = jax.jit(lambda y, x, pool, t: rs._apply(y, x, pool, t, fin=fin, fout=fin, settings=rs._frozen(rs.form(a.tokens, a.adapters)),
-                                                timing=True))
+    f = jax.jit(lambda y, x, pool, t: rs._apply(y, x, pool, t, fin=fin, fout=fin, settings=rs._frozen(), timing=True))
     for c in range(a.calls):
         args, dev_table, table = runs[c % len(runs)]
         out, times = f(*args, dev_table)

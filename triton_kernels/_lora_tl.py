@@ -408,6 +408,26 @@ def _after_words(v, z):
 
 
 @triton.jit
+def _words(v, HOLD: tl.constexpr):
+    """Integers of v's loads for a hold to sum: _first_words at HOLD 2, else _bits."""
+    if HOLD == 2:
+        r = _first_words(v)
+    else:
+        r = _bits(v)
+    return r
+
+
+@triton.jit
+def _held(v, z, HOLD: tl.constexpr):
+    """v waiting on z: _after_words at HOLD 2, else _after_all."""
+    if HOLD == 2:
+        r = _after_words(v, z)
+    else:
+        r = _after_all(v, z)
+    return r
+
+
+@triton.jit
 def _f32(v, FAST: tl.constexpr):
     """v as float32. FAST (bf16 only, compiled only: the interpreter runs no PTX): two instructions a
     pair of elements (the low one shifted up, the high one masked) where ptxas's own conversion
@@ -444,17 +464,12 @@ def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl
     a = _rows_tile(rows_ptr, ra, j, live, FIN, W, CA, MA, MAP)
     x0 = _x_row(x_ptr, t0, n > 0, FIN, CA, MA, MAP)
     x1 = _x_row(x_ptr, t0 + 1, (n > 0) & (t0 + 1 < t1), FIN, CA, MA, MAP)
-    if HOLD == 2:
-        za = tl.where(never, tl.sum(_first_words(a), axis=0) + _first_words(x0) + _first_words(x1)
+    if HOLD:
+        za = tl.where(never, tl.sum(_words(a, HOLD), axis=0) + _words(x0, HOLD) + _words(x1, HOLD)
                       + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
-        a = _after_words(a, za[None])
-        x0 = _after_words(x0, za)
-        x1 = _after_words(x1, za)
-    elif HOLD:
-        za = tl.where(never, tl.sum(_bits(a), axis=0) + _bits(x0) + _bits(x1) + tl.sum(tl.sum(rb, axis=1), axis=0), 0)
-        a = _after_all(a, za[None])
-        x0 = _after_all(x0, za)
-        x1 = _after_all(x1, za)
+        a = _held(a, za[None], HOLD)
+        x0 = _held(x0, za, HOLD)
+        x1 = _held(x1, za, HOLD)
     rty = a.dtype
     af = _f32(a, FAST_CVT)
     xa0 = tl.sum(tl.sum(af * _f32(x0, FAST_CVT)[None, :, :], axis=2), axis=1)
@@ -463,10 +478,8 @@ def _unit_phased(u, meta_ptr, arid_ptr, brid_ptr, x_ptr, rows_ptr, y_ptr, RC: tl
     xa1 = xa1.to(rty).to(tl.float32)
     # B's trip after the shrink: a row's mask waits on its xa (a NaN xa reads no B, its deltas NaN still)
     b = _rows_tile(rows_ptr, rb, j, live & (xa0 + xa1 == xa0 + xa1), FOUT, W, CB, MB, MBP)
-    if HOLD == 2:
-        b = _after_words(b, tl.where(never, tl.sum(_first_words(b), axis=0), 0)[None])
-    elif HOLD:
-        b = _after_all(b, tl.where(never, tl.sum(_bits(b), axis=0), 0)[None])
+    if HOLD:
+        b = _held(b, tl.where(never, tl.sum(_words(b, HOLD), axis=0), 0)[None], HOLD)
     bf = _f32(b, FAST_CVT)
     mb = tl.arange(0, MBP)[:, None]
     yk = mb * CB + tl.arange(0, CB)[None, :]

@@ -281,10 +281,13 @@ def ranksplit_reference(y, x, rows, table, *, fin: int, fout: int, slots=None, s
     """What the kernel computes, in jnp, from the same table: for each live unit, its tokens' x times
     its A^T rows (float32 sums, rounded to the pool's dtype), times its B rows, added into y. The
     table's check against lora.py's references and the kernel's stand-in off the GPU
-    (tests/test_ranksplit.py). A unit's tokens are [t0, t1): any group_t at least the table's
-    covers them (BLOCKS["ranksplit"]'s, or settings', is one: the phased form's 2 is less)."""
-    g = (settings or BLOCKS["ranksplit"])["group_t"]
-    return _reference(y, x, rows, tuple(table), fin=fin, fout=fout, g=max(g, 2))
+    (tests/test_ranksplit.py), with ranksplit_apply's signature. A unit's tokens are [t0, t1): any
+    group_t at least the table's covers them. With slots (or a decided phased) that is form's, the
+    table's own; else BLOCKS' one-trip group_t, above the phased form's 2."""
+    s = settings or BLOCKS["ranksplit"]
+    if slots is not None or s["phased"] is not None:
+        s = form(y.shape[0], slots, s)
+    return _reference(y, x, rows, tuple(table), fin=fin, fout=fout, g=max(s["group_t"], 2))
 
 
 @functools.partial(jax.jit, static_argnames=("fin", "fout", "g"))
