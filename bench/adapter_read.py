@@ -41,9 +41,9 @@ def main() -> dict:
     import ml_dtypes
     import numpy as np
     from bench.provenance import git_commit
-    from slora_jax.adapters import load_peft_adapter, random_peft_adapter
-    from slora_jax.config import load_model_config
-    from slora_jax.layout import AdapterLayout, pack_adapter
+    from slora_jax.model.peft import load_peft_adapter, random_peft_adapter
+    from slora_jax.model.config import load_model_config
+    from slora_jax.model.layout import AdapterLayout, pack_adapter
 
     cfg = load_model_config(args.model)
     path = Path(args.dir) / f"{args.model}-r{args.rank}-{args.targets.replace(',', '-')}"
@@ -66,7 +66,7 @@ def main() -> dict:
               "load_s_median": float(np.median(load_s)), "pack_s_median": float(np.median(pack_s)),
               "total_s_median": float(np.median(total)), "total_s_min": float(total.min()), "repeats": args.repeats}
     if args.register:
-        from slora_jax.adapter_store import AdapterStore
+        from slora_jax.engine.adapter_store import AdapterStore
         names = {}
         for k in range(args.register):
             p = Path(args.dir) / f"{args.model}-r{args.rank}-{args.targets.replace(',', '-')}-{k}"

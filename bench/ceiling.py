@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
                          "steps (which carry a prompt or two, i.e. hardly any adapter bytes) counted at their "
                          "measured time and its decode steps stretched by the decode ceiling")
     args = ap.parse_args(argv)
-    from slora_jax.config import load_model_config
+    from slora_jax.model.config import load_model_config
 
     run = json.loads(Path(args.run).read_text())
     w, k = run["workload"], run["pool"]["steps_by_kind"]

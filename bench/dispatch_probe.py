@@ -44,7 +44,8 @@ from bench.device_trace import trace_events  # noqa: E402
 from bench.engine_bench import (decode_batch, prefill_batch, randomize_pool, register_mixed_ranks,  # noqa: E402
                                 set_backends)
 from bench.provenance import git_commit  # noqa: E402
-from slora_jax import LLM, paged  # noqa: E402
+from slora_jax import LLM
+from slora_jax.engine import step as paged  # noqa: E402
 
 
 def one_step(llm, inp, buffers=None):

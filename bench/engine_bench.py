@@ -36,9 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.provenance import git_commit  # noqa: E402
-from slora_jax import LLM, SamplingParams, paged
-from slora_jax.adapters import random_peft_adapter
-from slora_jax.engine import Request, _group_by_adapter
+from slora_jax import LLM, SamplingParams
+from slora_jax.engine import step as paged
+from slora_jax.model.peft import random_peft_adapter
+from slora_jax.engine.engine import Request, _group_by_adapter
 from slora_jax.request import RequestOutput
 
 

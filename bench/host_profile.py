@@ -47,8 +47,8 @@ def main() -> dict:
     import numpy as np
     from bench.provenance import git_commit
     from slora_jax import LLM, SamplingParams
-    from slora_jax.adapters import random_peft_adapter
-    from slora_jax.config import load_model_config
+    from slora_jax.model.peft import random_peft_adapter
+    from slora_jax.model.config import load_model_config
 
     cfg = load_model_config("tiny")
     if args.layers:

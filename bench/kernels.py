@@ -14,7 +14,7 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            shrink_schedule), as the engine passes them; the expand reads the shrink's padded xa
            directly, as in the engine (before session 12 a slice copy of xa came between them)
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
-  one-hot  slora_jax.paged.lora_xla: the engine's xla path, every adapter padded to max rank and a
+  one-hot  slora_jax.engine.step.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
   padded   vLLM-style slots: dense per-slot A [n, in, 64] and B [n, 64, out], zero past each rank,
            gathered per token (A[slot] -> bmm), in jnp
@@ -101,7 +101,7 @@ from pallas_kernels import onetrip  # noqa: E402
 from pallas_kernels.lora import lora_delta  # noqa: E402
 from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
                                             paged_decode_attention_reference)
-from slora_jax.paged import lora_xla  # noqa: E402
+from slora_jax.engine.step import lora_xla  # noqa: E402
 from triton_kernels import lora as triton_lora  # noqa: E402 (imports jax-triton lazily)
 from triton_kernels import ranksplit  # noqa: E402
 

@@ -20,8 +20,10 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
 
 import jax  # noqa: E402
 
-from slora_jax import LLM, paged  # noqa: E402
-from slora_jax.config import load_model_config  # noqa: E402
+from slora_jax import LLM
+
+from slora_jax.engine import step as paged  # noqa: E402
+from slora_jax.model.config import load_model_config  # noqa: E402
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ from bench.engine_bench import (decode_batch, prefill_batch, randomize_pool, reg
                                 set_backends)
 from bench.provenance import git_commit  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
-from slora_jax import LLM, paged  # noqa: E402
+from slora_jax import LLM
+from slora_jax.engine import step as paged  # noqa: E402
 from triton_kernels import ranksplit  # noqa: E402
 
 KINDS = (  # first match wins; names as XLA and the Triton/Pallas lowerings print them
@@ -60,7 +61,7 @@ def kind_of(name: str) -> str:
 
 
 def host_phases(trace_dir: str) -> list[dict]:
-    """The engine's host phases in the trace (slora_jax.engine._phase: `slora.<name>` events)."""
+    """The engine's host phases in the trace (slora_jax.engine.engine._phase: `slora.<name>` events)."""
     return [e for e in trace_events(trace_dir) if e.get("ph") == "X" and str(e.get("name", "")).startswith("slora.")]
 
 

@@ -119,7 +119,7 @@ def engine_options(w: Workload, mode: str, adapter_slots: int | None = None,
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     opts = {**w.engine_options, **(overrides or {})}
     if mode in MODE_HOOKS:
-        from slora_jax.engine import EngineOptions
+        from slora_jax.engine.engine import EngineOptions
         field, value, extra = MODE_HOOKS[mode]
         have = {f.name for f in dataclasses.fields(EngineOptions)}
         missing = [f for f in (field, *extra) if f not in have]
@@ -139,7 +139,7 @@ def engine_options(w: Workload, mode: str, adapter_slots: int | None = None,
 
 def adapter_files(w: Workload, cfg, root: Path) -> dict[int, list[str]]:
     """`distinct_files` random PEFT directories per rank, written once under root."""
-    from slora_jax.adapters import random_peft_adapter
+    from slora_jax.model.peft import random_peft_adapter
     files = {}
     for r in sorted(set(w.ranks)):
         files[r] = []
@@ -202,7 +202,7 @@ def compile_counter() -> _CompileCounter:
 
 def _phase(name: str):
     """This loop's own host work between engine steps, named in a serving trace beside the
-    engine's phases (slora_jax.engine._phase) as `slora.bench_<name>`."""
+    engine's phases (slora_jax.engine.engine._phase) as `slora.bench_<name>`."""
     import jax
     return jax.profiler.TraceAnnotation(f"slora.bench_{name}")
 
@@ -630,7 +630,7 @@ def http_register(url: str, paths: dict[str, str]) -> None:
 def fixed_batch(args, result: dict) -> None:
     """Generated tok/s of the engine on the FixedBatch requests, for each `mixed` count."""
     from slora_jax import SamplingParams
-    from slora_jax.adapters import random_peft_adapter
+    from slora_jax.model.peft import random_peft_adapter
     counts = [int(x) for x in args.mixed.split(",")]
     fb0 = FixedBatch(args.batch, args.prompt_len, args.gen_len, 0, args.rank, args.seed or 0)
     opts = dict(max_num_seqs=args.batch, max_prefill_seqs=args.batch, max_adapters_per_batch=args.batch,
@@ -805,7 +805,7 @@ def _main(args, argv: list[str]) -> dict:
     result.update(kind="trace", mode=args.mode, workload=w.to_dict(), trace=trace.stats())
     opts = None if args.http else engine_options(w, args.mode, args.adapter_slots, args.adapter_region_pages,
                                                  parse_kv(args.engine))  # fails fast on a missing hook
-    from slora_jax.config import load_model_config
+    from slora_jax.model.config import load_model_config
     cfg = load_model_config(w.model)
     paths = {} if args.mode == "base" else adapter_paths(w, adapter_files(w, cfg, adapter_root(args)))
     names = None if args.mode == "base" else list(paths)
@@ -891,7 +891,7 @@ def run_variants(args, argv: list[str]) -> dict:
                            warmup_s=v.warmup_s, slo_s=v.slo_s, model=v.model, early_abort=v.early_abort)
           for n, v in todo}
     w0 = ws[todo[0][0]]
-    from slora_jax.config import load_model_config
+    from slora_jax.model.config import load_model_config
     cfg = load_model_config(w0.model)
     files = adapter_files(w0, cfg, adapter_root(args))
     n_max = max(w.n for w in ws.values())
@@ -948,8 +948,8 @@ def run_variants(args, argv: list[str]) -> dict:
 def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loads, workers=1):
     import gc
     import jax
-    from slora_jax.adapter_store import host_cache_bytes
-    from slora_jax.engine import Engine, EngineOptions
+    from slora_jax.engine.adapter_store import host_cache_bytes
+    from slora_jax.engine.engine import Engine, EngineOptions
     from pallas_kernels import lora as lora_kernels
     opts = engine_options(w, v.mode, None, v.adapter_region_pages, parse_kv(v.engine))
     opts = {**opts, "pool_pages": num_pages}

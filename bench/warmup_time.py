@@ -45,8 +45,8 @@ def main() -> dict:
     import jax
     from bench.provenance import git_commit
     from slora_jax import LLM, SamplingParams
-    from slora_jax.adapters import random_peft_adapter
-    from slora_jax.config import load_model_config
+    from slora_jax.model.peft import random_peft_adapter
+    from slora_jax.model.config import load_model_config
 
     cfg = load_model_config(args.model)
     if args.layers:

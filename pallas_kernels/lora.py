@@ -3,7 +3,7 @@
 S-LoRA's MBGMM (prefill) and MBGMV (decode) in one pair of Pallas kernels. Tokens arrive grouped
 by adapter slot: slot s owns tokens [seg_starts[s], seg_starts[s+1]); tokens from seg_starts[Sa] on
 are base-model tokens. A^T [r, in] and scale*B [r, out] of each slot are read straight from a
-layer's pool rows [N, W] through per-slot row indices (see slora_jax/layout.py); no per-token copy
+layer's pool rows [N, W] through per-slot row indices (see slora_jax/model/layout.py); no per-token copy
 of A or B exists.
 
 Grid. The Triton lowering has neither scalar prefetch nor dynamic grid bounds, so the grid is static

@@ -1,9 +1,9 @@
 """Decode attention over the unified pool: one new token per sequence, GQA, flash-decoding.
 
-Sequence b has ctx_lens[b] tokens in the pool (slora_jax/layout.py: a layer is [pages, 2, page_size,
+Sequence b has ctx_lens[b] tokens in the pool (slora_jax/model/layout.py: a layer is [pages, 2, page_size,
 W], W = kv_heads * head_dim; token t's K row is pool[page_table[b, t // ps], 0, t % ps], its V row
 the same at [.., 1, ..]) and attends to all of them plus this step's token, whose K/V are passed in
-(the step writes them into the pool after every read, see slora_jax/paged.py).
+(the step writes them into the pool after every read, see slora_jax/engine/step.py).
 
 Grid (batch, kv head, split). A program owns one kv head of one sequence and all nh/kvh query
 heads of that group, so one read of a K/V tile serves the whole group (GQA): the group's queries

@@ -33,9 +33,9 @@ def byte_level_tokenizer(path: Path) -> None:
 
 
 def prepare(workdir: Path, n_adapters: int, seed: int) -> tuple[Path, dict[str, str]]:
-    from slora_jax.adapters import random_peft_adapter
-    from slora_jax.config import load_model_config
-    from slora_jax.weights import dummy_params, save_hf_weights
+    from slora_jax.model.peft import random_peft_adapter
+    from slora_jax.model.config import load_model_config
+    from slora_jax.model.weights import dummy_params, save_hf_weights
 
     cfg = load_model_config("tiny")
     model_dir = workdir / "tiny"

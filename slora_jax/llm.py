@@ -8,14 +8,16 @@ from typing import Sequence
 
 import numpy as np
 
-from slora_jax import quant, tp
-from slora_jax.adapter_store import AdapterStore, host_cache_bytes
-from slora_jax.config import load_model_config
-from slora_jax.engine import Engine, EngineOptions
+from slora_jax.model import quant
+
+from slora_jax.model import tp
+from slora_jax.engine.adapter_store import AdapterStore, host_cache_bytes
+from slora_jax.model.config import load_model_config
+from slora_jax.engine.engine import Engine, EngineOptions
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
-from slora_jax.tokenizer import load_tokenizer
-from slora_jax.weights import load_params
+from slora_jax.model.tokenizer import load_tokenizer
+from slora_jax.model.weights import load_params
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -27,7 +29,7 @@ class LLM:
     configs/models ("tiny", "llama-7b", ...), which gets dummy weights from `seed`.
     adapters: {name: PEFT adapter directory}.
     quantization: None, or "int8": the projections' weights in int8 with per-row scales
-    (slora_jax.quant; half their bytes, the memory going to the page pool).
+    (slora_jax.model.quant; half their bytes, the memory going to the page pool).
     options: EngineOptions fields (page_size, pool_pages, max_num_seqs, max_lora_rank,
     lora_backend, attention_backend, ...).
     """

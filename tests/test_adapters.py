@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from slora_jax.adapters import (
+from slora_jax.model.peft import (
     AdapterError,
     LoraAdapter,
     load_peft_adapter,
@@ -20,7 +20,7 @@ from slora_jax.adapters import (
     random_peft_adapter,
     save_peft_adapter,
 )
-from slora_jax.config import TARGET_MODULES, ModelConfig
+from slora_jax.model.config import TARGET_MODULES, ModelConfig
 
 CFG = ModelConfig(name="t", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2)

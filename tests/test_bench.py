@@ -137,7 +137,7 @@ def test_summarize_counts_aborts_and_cutoffs_as_slo_misses():
 
 
 def test_padded_and_separate_modes_need_their_engine_hooks():
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine.engine import EngineOptions
     have = {f.name for f in dataclasses.fields(EngineOptions)}
     w = load_workload("S1-cpu")
     for mode, (field, value, extra) in run.MODE_HOOKS.items():
@@ -359,7 +359,7 @@ def test_http_client_against_a_stand_in_server():
 
 def _server_exists() -> bool:
     import importlib.util
-    return all(importlib.util.find_spec(m) is not None for m in ("slora_jax.server", "fastapi", "uvicorn", "httpx"))
+    return all(importlib.util.find_spec(m) is not None for m in ("slora_jax.serve.app", "fastapi", "uvicorn", "httpx"))
 
 
 @pytest.fixture
@@ -370,7 +370,7 @@ def server_url(tmp_path):
         yield os.environ["SLORA_BENCH_SERVER_URL"], None
         return
     if os.environ.get("SLORA_BENCH_HTTP") != "1" or not _server_exists():
-        pytest.skip("needs SLORA_BENCH_SERVER_URL, or SLORA_BENCH_HTTP=1 and slora_jax.server (~15 s more)")
+        pytest.skip("needs SLORA_BENCH_SERVER_URL, or SLORA_BENCH_HTTP=1 and slora_jax.serve.app (~15 s more)")
     e = load_workload("S1-cpu").engine_options
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
            "--no-warmup", "--served-model-name", "tiny", "--allowed-adapter-dirs", str(tmp_path),
@@ -466,7 +466,7 @@ def test_ceiling_mean_context_and_bytes():
     shapes; no adapters, no loss."""
     import itertools
     from bench.ceiling import mean_decode_context, step_bytes
-    from slora_jax.config import load_model_config
+    from slora_jax.model.config import load_model_config
     ins, outs = range(8, 20), range(3, 11)
     total = count = 0
     for p, o in itertools.product(ins, outs):
@@ -603,8 +603,9 @@ def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
     run as the profile runs it, samples each prompt's first token as LLM.generate does."""
     import jax
     from bench.engine_bench import prefill_batch
-    from slora_jax import LLM, SamplingParams, paged
-    from slora_jax.adapters import random_peft_adapter
+    from slora_jax import LLM, SamplingParams
+    from slora_jax.engine import step as paged
+    from slora_jax.model.peft import random_peft_adapter
 
     llm = LLM("tiny", max_num_seqs=8, max_lora_rank=16)
     for i, r in enumerate((8, 16)):

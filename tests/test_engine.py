@@ -1,5 +1,5 @@
 """The paged engine through the public LLM API, on the "tiny" model in float32, against the dense
-reference path (slora_jax.reference_engine), which shares the weights but has no pool, no paging,
+reference path (slora_jax.engine.reference_engine), which shares the weights but has no pool, no paging,
 no scheduler.
 
 Compiles dominate the run time on a CPU (a few seconds per step shape), so the workloads are chosen
@@ -16,14 +16,16 @@ import jax
 import numpy as np
 import pytest
 
-from slora_jax import LLM, SamplingParams, paged
-from slora_jax.scheduler import PENDING
+from slora_jax import LLM, SamplingParams
+
+from slora_jax.engine import step as paged
+from slora_jax.engine.scheduler import PENDING
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # as bench/run.py counts them
-from slora_jax.adapters import AdapterError, load_peft_adapter, random_peft_adapter
-from slora_jax.config import load_model_config
-from slora_jax.layout import AdapterLayout
-from slora_jax.reference_engine import ReferenceEngine
+from slora_jax.model.peft import AdapterError, load_peft_adapter, random_peft_adapter
+from slora_jax.model.config import load_model_config
+from slora_jax.model.layout import AdapterLayout
+from slora_jax.engine.reference_engine import ReferenceEngine
 
 CFG = load_model_config("tiny")
 MAX_TOKENS = 8
@@ -249,7 +251,7 @@ def test_names_sharing_files_register_without_rereading(paths, monkeypatch):
     """Many names over a few files (bench traces register 1000 names over 64 files) with a host
     cache smaller than the file count: each file is read once at registration, not once a name.
     Re-registering a name still reads its file again."""
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     reads = []
     real = adapter_store.load_peft_adapter
 
@@ -278,7 +280,7 @@ def test_register_many_reads_files_side_by_side_all_or_nothing(paths, tmp_path, 
     """register_many reads each distinct file once, on its worker threads; one bad adapter among
     them raises (the first bad one in the caller's order) and registers no name at all."""
     import threading
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     reads = []
     real = adapter_store.load_peft_adapter
 
@@ -314,7 +316,7 @@ def test_stage_workers_read_that_many_files_at_once(paths, monkeypatch):
     only starts after one of the first two gives up). set_stage_workers applies from the next
     stage on; fewer than one thread is refused."""
     import threading
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     real = adapter_store.load_peft_adapter
     barrier = threading.Barrier(3, timeout=5.0)
 
@@ -352,7 +354,7 @@ def test_host_cache_byte_cap(paths):
     """The host cache drops least recently used files past its byte cap as well as its file
     count, keeps the newest file even when it alone is over the cap, and counts the bytes it
     holds exactly; LLM's host_cache_gb sets the cap."""
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     store = adapter_store.AdapterStore(CFG, np.float32, page_size=16, max_rank=16, host_cache_size=10)
     for name in "abcd":
         store.register(name, paths[name])
@@ -378,7 +380,7 @@ def test_cold_adapter_disk_read_runs_off_the_step_loop(paths, ref, monkeypatch, 
     arrives, on the store's worker thread; the step that admits it finds the rows cached. With
     prefetch off the step loop reads the disk itself. Outputs equal the reference either way."""
     import threading
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1, prefetch_adapters=prefetch)
     threads = []
     real = adapter_store.load_peft_adapter
@@ -405,7 +407,7 @@ def test_cold_adapter_read_does_not_stall_running_requests(paths, ref, monkeypat
     keep stepping; its request waits, is admitted once the read is done, and every output is the
     reference's."""
     import threading
-    from slora_jax import adapter_store
+    from slora_jax.engine import adapter_store
     engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, ignore_eos=True)
     eng = engine.engine
@@ -705,14 +707,14 @@ def test_separate_small_region_evicts_idle_adapters_only(paths, ref):
     (dict(adapter_memory="padded_slots", adapter_slots=2, adapter_region_pages=8), "adapter_region_pages is only"),
 ])
 def test_bad_adapter_memory_options(options, match):
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine.engine import EngineOptions
     with pytest.raises(ValueError, match=match):
         EngineOptions(**options)
 
 
 def test_stable_buffers_options():
     """stable_buffers: off by default, and refused beside the per-layer jits or pack_inputs."""
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine.engine import EngineOptions
     assert EngineOptions().stable_buffers is False
     for other in (dict(compile_per_layer=True), dict(pack_inputs=True)):
         with pytest.raises(ValueError, match="stable_buffers is for the whole-model jit"):
@@ -788,7 +790,7 @@ def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkey
     """Packed prefill in blocks of 16 queries with a key window: a step of fresh prompts (no pooled
     keys at all) and, when prompts are split to fill each step, a step that continues a split
     prompt (pooled context): both as the reference. By default prompts are not split."""
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     engine = make_llm(paths, page_size=16, pool_pages=BIG, prefill_query_block=16, max_prefill_tokens=64,
                       max_prefill_seqs=16, split_prompts=split)
     rng = np.random.default_rng(7)
@@ -818,8 +820,8 @@ def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypat
     """prefill_lora_backend="pallas" (the GPU default) beside decode "xla": prefill steps carry
     the kernel's fixed slot bucket (max_prefill_seqs), decode steps the one-hot's batch bucket,
     and the tokens are the reference's."""
-    from slora_jax import paged
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine import step as paged
+    from slora_jax.engine.engine import EngineOptions
     assert EngineOptions(lora_backend="pallas").prefill_lora_backend == "pallas"  # follows a given one
     with pytest.raises(ValueError, match="prefill_lora_backend must be"):
         EngineOptions(prefill_lora_backend="cuda")
@@ -842,8 +844,8 @@ def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
     takes the one-hot path at its bucket, one with more the Pallas kernel at the batch's bucket;
     prefill takes the kernel. Twelve names over three adapter files (each name its own pages),
     then four: the tokens are the reference's both ways."""
-    from slora_jax import paged
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine import step as paged
+    from slora_jax.engine.engine import EngineOptions
     with pytest.raises(ValueError, match="lora_hybrid_slots"):
         EngineOptions(lora_backend="hybrid", lora_hybrid_slots=12)
     assert EngineOptions(lora_backend="hybrid").prefill_lora_backend == "pallas"
@@ -886,7 +888,7 @@ def test_few_slots_bucket_routes_kernel_decode_steps_to_the_dot_shrink(paths, mo
     batch, keep the batch's bucket and block_t 1. Off (None) by default: every step as before.
     The warm-up compiles the extra bucket."""
     from pallas_kernels import lora as lora_kernels
-    from slora_jax.engine import _pow2
+    from slora_jax.engine.engine import _pow2
     engine = LLM("tiny", adapters={"a": paths["a"]}, dtype="float32", page_size=16, pool_pages=BIG,
                  lora_backend="hybrid", lora_hybrid_slots=8, max_num_seqs=128)
     eng = engine.engine
@@ -934,7 +936,7 @@ def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
 def test_compile_per_layer_matches_reference_and_compiles_one_layer(paths, ref, backends):
     """compile_per_layer: the step as one jit per decoder layer kind. Same outputs as the
     reference, and each step shape compiles the layer once, not once per layer."""
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     before = paged.layer_step._cache_size()
     engine = make_llm(paths, page_size=16, pool_pages=BIG, compile_per_layer=True, **backends)
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
@@ -950,7 +952,7 @@ def test_layers_per_call_matches_reference(paths, ref, monkeypatch, k):
     """compile_per_layer with k decoder layers a jit: the reference's outputs; a step runs the
     tiny model's 3 layers as runs of k (the last one shorter), one call per run, and compiles at
     most one executable per run length and step shape (never one per layer)."""
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     runs, real = [], paged.layer_step
 
     def spy(layers_params, *a, **kw):
@@ -971,7 +973,7 @@ def test_per_layer_warmup_compiles_in_its_threads(paths, monkeypatch, caplog):
     """compile_per_layer warm-up with 2 threads: embed, layer and head compile in the threads
     (paged.compile_layer_steps); the steps it runs afterwards compile only commit_kv."""
     import logging
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     phase, real = ["threads"], paged.step
 
     def step(*a, **kw):
@@ -1011,7 +1013,7 @@ def test_batches_of_adapters_with_other_targets_share_a_module_set(paths, ref, m
     """A batch carries the smallest of the registered adapters' module sets (attention, or all)
     that holds its adapters' modules, so "b" (q, v) alone and "d" (k, o) alone run the same
     LoRA step shape, an MLP adapter takes the full set, and the outputs are the reference's."""
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     engine = make_llm(paths, page_size=16, pool_pages=BIG)
     seen, step = [], paged.step
 
@@ -1032,7 +1034,7 @@ def test_batches_of_adapters_with_other_targets_share_a_module_set(paths, ref, m
 def test_long_prompt_chunks_beside_fresh_prompts_match_reference(paths, monkeypatch):
     """A prompt longer than a step's budget is chunked; its later chunks (pooled context, their own
     page-table row) share steps with fresh prompts. Every output is the reference's."""
-    from slora_jax import paged
+    from slora_jax.engine import step as paged
     engine = make_llm(paths, page_size=4, pool_pages=BIG * 4, max_prefill_tokens=16, max_prefill_seqs=4)
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, n)] for n in (40, 5, 7, 3)]
@@ -1350,7 +1352,7 @@ def test_adapter_status_for_routers(paths):
     """LLM.adapter_status (the server's GET /v1/adapters): each adapter's ranks and pages, whether
     it is resident in the device pool and cached in host memory, and its running and waiting
     requests, as a request for it waits, runs and finishes."""
-    from slora_jax.config import TARGET_MODULES
+    from slora_jax.model.config import TARGET_MODULES
     engine = make_llm(paths, page_size=16, pool_pages=BIG, host_cache_size=1)
     status = {a["name"]: a for a in engine.adapter_status()}
     assert list(status) == ["a", "b", "c", "d"]
@@ -1382,8 +1384,8 @@ def test_prefill_lora_block_t(paths, monkeypatch):
     """EngineOptions.prefill_lora_block_t: prefill steps run the LoRA kernels with blocks of that
     many tokens (schedules built to match), decode steps with 16; prompts of 33-70 tokens span
     several blocks of 32 per adapter, and the tokens are the reference's."""
-    from slora_jax import paged
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine import step as paged
+    from slora_jax.engine.engine import EngineOptions
     for bad in (8, 48, True):
         with pytest.raises(ValueError, match="prefill_lora_block_t"):
             EngineOptions(prefill_lora_block_t=bad)
@@ -1512,7 +1514,7 @@ def test_pool_sized_from_memory_is_capped_and_an_explicit_oversize_refused_on_gp
     the GPU kernels would address it, and kept on the xla backends."""
     from types import SimpleNamespace
 
-    from slora_jax.engine import Engine, EngineOptions
+    from slora_jax.engine.engine import Engine, EngineOptions
     monkeypatch.setattr(paged, "max_pool_pages", lambda cfg, ps, tp=1: 40)
     monkeypatch.setattr(Engine, "_pages_from_budget", lambda self: 10**6)
     engine = make_llm(paths, ("a",), page_size=16).engine

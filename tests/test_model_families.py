@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ORACLE_DIR, _oracle_env, oracle_python
 from slora_jax import LLM
-from slora_jax.config import load_model_config
+from slora_jax.model.config import load_model_config
 
 # what each model has beyond Llama's weights: its biases, or Qwen3's norms
 EXTRA = {"qwen2": ("q_proj_bias", "k_proj_bias", "v_proj_bias"),

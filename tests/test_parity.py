@@ -285,7 +285,7 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
                     "ranksplit_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
         if config == "ranksplit_lora":
-            from slora_jax import paged
+            from slora_jax.engine import step as paged
             from triton_kernels.lora import unavailable_reason
             rsk = paged.ranksplit
             launches, real = [], rsk.ranksplit_apply if unavailable_reason() is None else rsk.ranksplit_reference
@@ -297,7 +297,7 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
             monkeypatch.setattr(rsk, "ranksplit_apply", spy)
         if config.startswith("onetrip"):
             from pallas_kernels import lora, onetrip
-            from slora_jax import paged
+            from slora_jax.engine import step as paged
             one = config == "onetrip_one_launch"
             monkeypatch.setitem(lora.BLOCKS, "onetrip", {**lora.BLOCKS["onetrip"], "decode": True, "one_launch": one})
             launches, name = [], "onetrip_apply" if one else "onetrip_shrink"
@@ -310,7 +310,7 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
             jax.clear_caches()  # BLOCKS is read at trace time
         if config == "fused_lora":
             from pallas_kernels import lora
-            from slora_jax import paged
+            from slora_jax.engine import step as paged
             monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True, "max_tokens": 1 << 20})
             launches, real = [], paged.lora_fused_delta
 

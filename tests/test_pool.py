@@ -1,4 +1,4 @@
-"""The host allocator of the unified page pool (slora_jax/pool.py): pure host, no JAX.
+"""The host allocator of the unified page pool (slora_jax/engine/pool.py): pure host, no JAX.
 
 A hypothesis state machine drives one UnifiedPool through random interleavings of what the engine
 does to it (admit, grow, finish, preempt, adapter acquire/release, evict, re-register) against a
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from slora_jax.pool import NULL_PAGE, OutOfPages, RegionPool, UnifiedPool
+from slora_jax.engine.pool import NULL_PAGE, OutOfPages, RegionPool, UnifiedPool
 
 NAMES = ("a", "b", "c", "d")
 HAS_PINS = hasattr(UnifiedPool, "pin_adapter")  # prefetch pins: references no request holds yet

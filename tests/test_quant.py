@@ -1,4 +1,4 @@
-"""Weight-only int8 for the base model's projections (slora_jax.quant): the rounding bound, the
+"""Weight-only int8 for the base model's projections (slora_jax.model.quant): the rounding bound, the
 engine's logits against the same model with the dequantized weights (exact up to float order),
 adapters on top, and the bytes saved."""
 
@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from slora_jax import LLM, quant
-from slora_jax.adapters import random_peft_adapter
-from slora_jax.config import TARGET_MODULES, load_model_config
+from slora_jax import LLM
+
+from slora_jax.model import quant
+from slora_jax.model.peft import random_peft_adapter
+from slora_jax.model.config import TARGET_MODULES, load_model_config
 
 CFG = load_model_config("tiny")
 OPTS = dict(page_size=4, pool_pages=64, max_lora_rank=8)

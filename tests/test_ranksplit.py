@@ -134,8 +134,8 @@ def test_plan_covers_every_rank_row_once(name, setting):
 def test_engine_tables_are_cached_by_their_inputs():
     """paged.ranksplit_plans gives the tables plan builds, reuses them while a step's inputs repeat
     (a decode batch that keeps its slots), and builds afresh when rows, ranks, tokens or settings change."""
-    from slora_jax import paged
-    from slora_jax.config import load_model_config
+    from slora_jax.engine import step as paged
+    from slora_jax.model.config import load_model_config
     cfg = load_model_config("llama-7b")
     rng = np.random.default_rng(seed_of("plans-cache"))
     n, t = 16, 32

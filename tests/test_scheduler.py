@@ -1,4 +1,4 @@
-"""Scheduling policies (slora_jax/scheduler.py), driven by a mock step on a simulated clock.
+"""Scheduling policies (slora_jax/engine/scheduler.py), driven by a mock step on a simulated clock.
 
 No accelerator and no device work: `Sim` plays the device. It owns a `Scheduler` over a real
 `UnifiedPool`, charges each step a time from a step-cost model (prefill: per token; decode: per
@@ -17,12 +17,12 @@ import functools
 import numpy as np
 import pytest
 
-from slora_jax.adapter_store import AdapterEntry
-from slora_jax.layout import AdapterLayout
-from slora_jax.pool import UnifiedPool
+from slora_jax.engine.adapter_store import AdapterEntry
+from slora_jax.model.layout import AdapterLayout
+from slora_jax.engine.pool import UnifiedPool
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
-from slora_jax.scheduler import Request, Scheduler, SchedulerOptions, StepCostModel
+from slora_jax.engine.scheduler import Request, Scheduler, SchedulerOptions, StepCostModel
 
 PAGE = 16
 
@@ -469,7 +469,7 @@ def test_metrics_count_what_happened():
 
 
 def test_histogram_buckets():
-    from slora_jax.metrics import Histogram
+    from slora_jax.engine.metrics import Histogram
     h = Histogram("x", (1.0, 2.0, 4.0))
     for v in (0.5, 1.0, 1.5, 3.0, 10.0):
         h.observe(v)

@@ -38,7 +38,7 @@ pytest.importorskip("fastapi")
 
 from slora_jax import LLM, SamplingParams  # noqa: E402
 from slora_jax.demo import prepare  # noqa: E402
-from slora_jax.server import ChatFormatter, ServerThread, build_app  # noqa: E402
+from slora_jax.serve.app import ChatFormatter, ServerThread, build_app  # noqa: E402
 
 OPTS = dict(dtype="float32", page_size=64, pool_pages=256, max_num_seqs=8, max_lora_rank=32)
 ALL_LINEAR = [f"customer-{i:03d}" for i in range(2, 200, 3)]  # demo.prepare: every third is all-linear

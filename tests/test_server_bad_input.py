@@ -24,9 +24,9 @@ import httpx
 import pytest
 from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_server, text, wait_idle
 
-from slora_jax.adapters import random_peft_adapter
-from slora_jax.config import load_model_config
-from slora_jax.engine import EngineOptions
+from slora_jax.model.peft import random_peft_adapter
+from slora_jax.model.config import load_model_config
+from slora_jax.engine.engine import EngineOptions
 
 KEY = "sk-test-key"
 H = {"Authorization": f"Bearer {KEY}"}

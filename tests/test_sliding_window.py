@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ORACLE_DIR, _oracle_env, oracle_python
 from slora_jax import LLM
-from slora_jax.config import load_model_config
+from slora_jax.model.config import load_model_config
 
 WINDOW = 16
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (slora_jax.tp): the adapter layout on the host, the options, and the engine
+"""Tensor parallelism (slora_jax.model.tp): the adapter layout on the host, the options, and the engine
 split over two host CPU devices against one device and against the oracle.
 
 The engine runs happen in processes of their own (tests/tp_check.py; a nested pytest of
@@ -17,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from slora_jax import tp
-from slora_jax.adapters import load_peft_adapter, random_peft_adapter
-from slora_jax.config import load_model_config
-from slora_jax.engine import EngineOptions
-from slora_jax.layout import AdapterLayout, pack_adapter
+from slora_jax.model import tp
+from slora_jax.model.peft import load_peft_adapter, random_peft_adapter
+from slora_jax.model.config import load_model_config
+from slora_jax.engine.engine import EngineOptions
+from slora_jax.model.layout import AdapterLayout, pack_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = load_model_config("tiny")
@@ -83,7 +83,7 @@ def test_tensor_parallel_options():
         pytest.skip("the 'needs 2 devices' errors need a one-device process")
     with pytest.raises(ValueError, match="needs 2 devices"):
         LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel=2)  # this process has one device
-    server = pytest.importorskip("slora_jax.server", reason="the server's dependencies (fastapi) are not installed")
+    server = pytest.importorskip("slora_jax.serve.app", reason="the server's dependencies (fastapi) are not installed")
     with pytest.raises(ValueError, match="needs 2 devices"):  # the server's flag reaches the engine
         server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--no-warmup",
                      "--tensor-parallel-size", "2"])
@@ -150,9 +150,9 @@ BIAS_CHECK = """
 import dataclasses, json, sys, tempfile
 import numpy as np
 from slora_jax import LLM
-from slora_jax.adapters import random_peft_adapter
-from slora_jax.config import TARGET_MODULES, load_model_config
-from slora_jax.weights import dummy_params, save_hf_weights
+from slora_jax.model.peft import random_peft_adapter
+from slora_jax.model.config import TARGET_MODULES, load_model_config
+from slora_jax.model.weights import dummy_params, save_hf_weights
 cfg = dataclasses.replace(load_model_config("tiny"), bias_modules=TARGET_MODULES, qk_norm=True)
 d = tempfile.mkdtemp()
 save_hf_weights(dummy_params(cfg, "float32", seed=1), cfg, d)
@@ -180,7 +180,7 @@ def test_tensor_parallel_adds_each_bias_once(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     got = {k: np.asarray(v) for k, v in json.loads(out.read_text()).items()}
-    for q in ("None", "int8"):  # and with the projections in int8 (slora_jax.quant): scales split alike
+    for q in ("None", "int8"):  # and with the projections in int8 (slora_jax.model.quant): scales split alike
         one, two = got[f"{q}-1"], got[f"{q}-2"]
         np.testing.assert_allclose(two, one, atol=1e-4, rtol=0)
         assert np.abs(one[0] - one[1]).max() > 0.1  # the adapter row is not the base row

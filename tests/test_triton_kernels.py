@@ -423,7 +423,7 @@ def test_f32_dot_follows_jax_precision():
 
 
 def test_engine_options():
-    from slora_jax.engine import EngineOptions
+    from slora_jax.engine.engine import EngineOptions
     if tk.unavailable_reason() is not None:
         with pytest.raises(ValueError, match="lora_backend='triton' needs"):
             EngineOptions(lora_backend="triton")

@@ -11,8 +11,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.flax import save_file as flax_save_file
 
-from slora_jax import weights as W
-from slora_jax.config import ModelConfig, load_model_config
+from slora_jax.model import weights as W
+from slora_jax.model.config import ModelConfig, load_model_config
 
 CFG = ModelConfig(name="t", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)

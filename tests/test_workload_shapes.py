@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 
 from bench.trace import load_workload
-from slora_jax import LLM, paged
-from slora_jax.adapters import random_peft_adapter
-from slora_jax.config import load_model_config
+from slora_jax import LLM
+from slora_jax.engine import step as paged
+from slora_jax.model.peft import random_peft_adapter
+from slora_jax.model.config import load_model_config
 
 
 @pytest.mark.parametrize("workload", ["S1", "S2", "S4"])

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from slora_jax import LLM, SamplingParams  # noqa: E402
-from slora_jax.adapters import random_peft_adapter  # noqa: E402
-from slora_jax.config import load_model_config  # noqa: E402
+from slora_jax.model.peft import random_peft_adapter  # noqa: E402
+from slora_jax.model.config import load_model_config  # noqa: E402
 
 CFG = load_model_config("tiny")
 SP = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slora_jax.config import ModelConfig, bias_key, scale_key
+from slora_jax.model.config import ModelConfig, bias_key, scale_key
 
 Params = dict[str, Any]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -76,7 +76,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def linear_q(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """linear for a weight that may be quantized (slora_jax.quant: int8 w, float32 row scales):
+    """linear for a weight that may be quantized (slora_jax.model.quant: int8 w, float32 row scales):
     x @ w.T with w cast to x's dtype, each output column times its scale."""
     if scale is None:
         return linear(x, w)

@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from slora_jax.config import ATTN_MODULES, TARGET_MODULES, ModelConfig
+from slora_jax.model.config import ATTN_MODULES, TARGET_MODULES, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from slora_jax import reference
-from slora_jax.config import ModelConfig
+from slora_jax.model import reference
+from slora_jax.model.config import ModelConfig
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 
 

@@ -16,8 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from slora_jax.config import TARGET_MODULES, ModelConfig
-from slora_jax.tp import split_columns
+from slora_jax.model.config import TARGET_MODULES, ModelConfig
+from slora_jax.model.tp import split_columns
 
 
 @dataclasses.dataclass(frozen=True)

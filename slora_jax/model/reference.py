@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slora_jax import model
-from slora_jax.config import TARGET_MODULES, ModelConfig
+from slora_jax.model import llama as model
+from slora_jax.model.config import TARGET_MODULES, ModelConfig
 from slora_jax.sampling import sample
 
 # ---------------------------------------------------------------------------------------------

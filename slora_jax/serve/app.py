@@ -61,10 +61,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slora_jax.async_engine import AsyncEngine, Delta, EngineError, EngineMetrics, RequestHandle
+from slora_jax.serve.async_engine import AsyncEngine, Delta, EngineError, EngineMetrics, RequestHandle
 from slora_jax.sampling import SamplingParams
 
-log = logging.getLogger("slora_jax.server")
+log = logging.getLogger("slora_jax.serve.app")
 
 MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 256

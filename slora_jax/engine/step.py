@@ -22,8 +22,9 @@ import numpy as np
 from pallas_kernels import onetrip
 from pallas_kernels.lora import BLOCK_T as LORA_BLOCK_T, BLOCKS, fused_applies, lora_expand, lora_fused_delta, lora_shrink_group
 from pallas_kernels.paged_attention import paged_decode_attention
-from slora_jax import model, tp as tp_mod
-from slora_jax.config import QKV_MODULES, ModelConfig
+from slora_jax.model import llama as model
+from slora_jax.model import tp as tp_mod
+from slora_jax.model.config import QKV_MODULES, ModelConfig
 from slora_jax.sampling import sample
 from triton_kernels import ranksplit
 
@@ -369,7 +370,7 @@ def pool_lora(lora: LoraInputs, cfg: ModelConfig, pool, tp: int = 1):
     paged_attention_xla). The kernels add their product into the base output y in place. Under
     "pallas" with group_qkv, the first of q, k and v shrinks all of them in one launch
     (lora_shrink_group; the step's schedules["shrink:qkv"] covers their slots) and each expands from its
-    columns of that xa. tp > 1: one device's share under shard_map (slora_jax.tp): the device's
+    columns of that xa. tp > 1: one device's share under shard_map (slora_jax.model.tp): the device's
     slice of x shrunk, x·A summed across the axis, expanded into the device's slice of y."""
     shrunk: dict = {}  # layer -> (x, modules, xa): the model calls q, k, v with one x
     fused: dict = {}   # layer -> (x, modules, delta): the same for the fused kernel
@@ -508,7 +509,7 @@ def forward_sample(params, pool, inp: StepInputs, *, cfg: ModelConfig):
     return _forward_sample(params, pool, inp, cfg)
 
 
-# Tensor parallel (slora_jax.tp): the same two jits under shard_map over the mesh's "tp" axis.
+# Tensor parallel (slora_jax.model.tp): the same two jits under shard_map over the mesh's "tp" axis.
 # Each device runs the forward pass on its weights, heads and pool columns; the hidden state is
 # whole on every device after each layer's sums, so every device samples the same rows (the
 # results are replicated).

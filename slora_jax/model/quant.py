@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from slora_jax.config import TARGET_MODULES, scale_key
+from slora_jax.model.config import TARGET_MODULES, scale_key
 
 QUANTIZATIONS = ("int8",)
 

@@ -23,15 +23,16 @@ from tqdm.auto import tqdm
 
 from pallas_kernels.lora import (BLOCKS, block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
                                  mbgmv_shrink, shrink_schedule)
-from slora_jax import paged, tp as tp_mod
-from slora_jax.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
-from slora_jax.config import TARGET_MODULES, ModelConfig
-from slora_jax.layout import AdapterLayout, page_rows
-from slora_jax.metrics import EngineMetrics
-from slora_jax.pool import NULL_PAGE, RegionPool, UnifiedPool
+from slora_jax.engine import step as paged
+from slora_jax.model import tp as tp_mod
+from slora_jax.engine.adapter_store import STAGE_WORKERS, AdapterEntry, AdapterStore
+from slora_jax.model.config import TARGET_MODULES, ModelConfig
+from slora_jax.model.layout import AdapterLayout, page_rows
+from slora_jax.engine.metrics import EngineMetrics
+from slora_jax.engine.pool import NULL_PAGE, RegionPool, UnifiedPool
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
-from slora_jax.scheduler import PENDING, Plan, Request, Scheduler, SchedulerOptions, StepCostModel
+from slora_jax.engine.scheduler import PENDING, Plan, Request, Scheduler, SchedulerOptions, StepCostModel
 
 __all__ = ["Engine", "EngineOptions", "Request"]
 
@@ -125,7 +126,7 @@ class EngineOptions(SchedulerOptions):
     # bound there. Off until a run shows a gain. Costs the K/V buffer (max step tokens x layers x
     # 2 x kv width: 2 GiB for llama-7b at 4096 prefill tokens), taken before the pool is sized.
     stable_buffers: bool = False
-    # Devices the model is split over (slora_jax.tp; DESIGN.md "Tensor parallelism"): Megatron
+    # Devices the model is split over (slora_jax.model.tp; DESIGN.md "Tensor parallelism"): Megatron
     # weights, the pool split along its row width, S-LoRA's adapter layout. The whole-model jit
     # only, under shard_map; LoRA backends xla and pallas.
     tensor_parallel: int = 1
@@ -272,7 +273,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, opts: EngineOptions,
                  max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.params, self.dtype, self.store, self.opts = cfg, params, jnp.dtype(dtype), store, opts
-        # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.tp).
+        # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.model.tp).
         self.tp = tp_mod.TP.make(opts.tensor_parallel, cfg) if opts.tensor_parallel > 1 else None
         if self.tp is not None:
             if store.tp != self.tp.size:

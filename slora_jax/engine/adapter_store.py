@@ -24,9 +24,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from slora_jax.adapters import load_peft_adapter
-from slora_jax.config import ModelConfig
-from slora_jax.layout import AdapterLayout, pack_adapter
+from slora_jax.model.peft import load_peft_adapter
+from slora_jax.model.config import ModelConfig
+from slora_jax.model.layout import AdapterLayout, pack_adapter
 
 
 @dataclasses.dataclass(frozen=True)

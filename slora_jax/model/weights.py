@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from slora_jax.config import ATTN_MODULES, BIAS, MLP_MODULES, QKV_MODULES, ModelConfig, bias_key
+from slora_jax.model.config import ATTN_MODULES, BIAS, MLP_MODULES, QKV_MODULES, ModelConfig, bias_key
 
 Params = dict[str, Any]
 TreePath = tuple[str | int, ...]

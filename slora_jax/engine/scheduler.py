@@ -75,8 +75,8 @@ import math
 import time
 from typing import Callable
 
-from slora_jax.metrics import EngineMetrics
-from slora_jax.pool import OutOfPages, UnifiedPool
+from slora_jax.engine.metrics import EngineMetrics
+from slora_jax.engine.pool import OutOfPages, UnifiedPool
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
 

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from slora_jax.config import ModelConfig, projection_of
+from slora_jax.model.config import ModelConfig, projection_of
 
 AXIS = "tp"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

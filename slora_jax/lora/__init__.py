@@ -1,0 +1,1 @@
+"""LoRA backends: plan on the host, apply on the device, and their selection."""
