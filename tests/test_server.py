@@ -36,6 +36,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+import slora_jax  # noqa: E402
 from slora_jax import LLM, SamplingParams  # noqa: E402
 from slora_jax.demo import prepare  # noqa: E402
 from slora_jax.serve.app import build_app  # noqa: E402
@@ -438,7 +439,7 @@ def test_metrics_parse(live, client):
     assert phases["device_wait"] > 0 and all(v >= 0 for v in phases.values()), phases
 
 
-def test_cli_engine_flags(capsys):
+def test_cli_engine_flags(capsys, monkeypatch):
     """Every EngineConfig field but the benchmark baseline is a flag, vLLM's name where vLLM has one;
     the flags given reach LLM by their EngineConfig field names, and no others; a bad value is a
     one-line error with exit code 2, before anything loads."""
@@ -457,6 +458,19 @@ def test_cli_engine_flags(capsys):
                                         "early_abort_ttft": 0.5, "compilation_cache_dir": None,
                                         "max_cpu_lora_gb": 2.0}
     assert cli.engine_options(ap.parse_args([])) == {}
+
+    class Built(Exception):
+        pass
+
+    def llm(model, **kwargs):  # stands in for LLM: what the command line builds it with
+        raise Built(model, kwargs)
+
+    monkeypatch.setattr(slora_jax, "LLM", llm)
+    with pytest.raises(Built) as built:
+        cli.main(["--model", "tiny", "--max-loras", "3", "--early-abort-ttft", "0.5", "--no-async-scheduling"])
+    assert built.value.args == ("tiny", {"adapters": {}, "dtype": "bfloat16", "seed": 0, "quantization": None,
+                                         "max_model_len": None, "max_loras": 3, "early_abort_ttft": 0.5,
+                                         "async_scheduling": False})
     for argv, message in [(["--page-size", "0"], "--page-size must be a positive integer, got 0"),
                           (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
                           (["--max-num-seqs", "many"], "invalid int value: 'many'"),

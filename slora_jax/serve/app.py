@@ -21,8 +21,9 @@ it is the base model. With an API key, every /v1 route wants `Authorization: Bea
 
 Errors come in OpenAI's shape (protocol.py): 400 invalid input, 401 API key, 404 unknown model or
 route, 429 too many requests in flight (Retry-After), 503 a request the engine aborted (no room,
-shutdown) or a dead engine (Retry-After), 500 an engine failure. Limits: request bodies up to
-16 MiB, 256 prompts a request, 16 stop strings, prompts within the model's context length.
+shutdown) or a dead engine (Retry-After), 500 an engine failure. Limits (protocol.py): the body
+size, prompts a request and stop strings (MAX_BODY_BYTES, MAX_BATCH_PROMPTS, MAX_STOP_STRINGS), and
+prompt + max_tokens within the model's context length.
 
 Threading: see async_engine.py. The engine runs on its own thread; HTTP handlers run on uvicorn's
 event loop and reach the engine only through `AsyncEngine`.
