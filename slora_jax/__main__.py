@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         from slora_jax.demo import main as demo
         demo(argv[1:])
     elif argv[0] == "serve":
-        from slora_jax.serve.app import main as serve
+        from slora_jax.serve.cli import main as serve
         serve(argv[1:])
 
 

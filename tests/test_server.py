@@ -36,9 +36,12 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+import slora_jax  # noqa: E402
 from slora_jax import LLM, SamplingParams  # noqa: E402
 from slora_jax.demo import prepare  # noqa: E402
-from slora_jax.serve.app import ChatFormatter, ServerThread, build_app  # noqa: E402
+from slora_jax.serve.app import build_app  # noqa: E402
+from slora_jax.serve.chat import ChatFormatter  # noqa: E402
+from slora_jax.serve.cli import ServerThread  # noqa: E402
 
 OPTS = dict(dtype="float32", page_size=64, pool_pages=256, max_num_seqs=8, max_lora_rank=32)
 ALL_LINEAR = [f"customer-{i:03d}" for i in range(2, 200, 3)]  # demo.prepare: every third is all-linear
@@ -265,7 +268,7 @@ def test_chat_template_from_tokenizer_config(live, client, tmp_path):
         assert extra(out.choices[0], "token_ids") == r.token_ids
         # A template that raises refuses the request with 400.
         srv.chat = ChatFormatter(str(tmp_path), srv.llm.tokenizer)
-        srv.chat.template = ChatFormatter._compile("{{ raise_exception('roles must alternate') }}")
+        srv.chat.template = ChatFormatter.compile_template("{{ raise_exception('roles must alternate') }}")
         with pytest.raises(openai.BadRequestError, match="roles must alternate"):
             client.chat.completions.create(model="tiny", messages=one, max_tokens=MT)
     finally:
@@ -436,13 +439,61 @@ def test_metrics_parse(live, client):
     assert phases["device_wait"] > 0 and all(v >= 0 for v in phases.values()), phases
 
 
+def test_cli_engine_flags(capsys, monkeypatch):
+    """Every EngineConfig field but the benchmark baseline is a flag, vLLM's name where vLLM has one;
+    the flags given reach LLM by their EngineConfig field names, and no others; a bad value is a
+    one-line error with exit code 2, before anything loads."""
+    from slora_jax.config import EngineConfig
+    from slora_jax.serve import cli
+    assert set(cli.ENGINE_FLAGS) == set(EngineConfig.field_names()) - {"baseline"}
+    ap = cli.build_parser()
+    usage = ap.format_help()
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+                 "--gpu-memory-utilization", "--tensor-parallel-size", "--async-scheduling", "--no-async-scheduling",
+                 "--early-abort-ttft", "--max-cpu-lora-gb", "--compilation-cache-dir"):
+        assert flag in usage, flag
+    args = ap.parse_args(["--max-loras", "3", "--no-async-scheduling", "--lora-backend", "xla",
+                          "--early-abort-ttft", "0.5", "--compilation-cache-dir", "", "--max-cpu-lora-gb", "2"])
+    assert cli.engine_options(args) == {"max_loras": 3, "async_scheduling": False, "lora_backend": "xla",
+                                        "early_abort_ttft": 0.5, "compilation_cache_dir": None,
+                                        "max_cpu_lora_gb": 2.0}
+    assert cli.engine_options(ap.parse_args([])) == {}
+
+    class Built(Exception):
+        pass
+
+    def llm(model, **kwargs):  # stands in for LLM: what the command line builds it with
+        raise Built(model, kwargs)
+
+    monkeypatch.setattr(slora_jax, "LLM", llm)
+    with pytest.raises(Built) as built:
+        cli.main(["--model", "tiny", "--max-loras", "3", "--early-abort-ttft", "0.5", "--no-async-scheduling"])
+    assert built.value.args == ("tiny", {"adapters": {}, "dtype": "bfloat16", "seed": 0, "quantization": None,
+                                         "max_model_len": None, "max_loras": 3, "early_abort_ttft": 0.5,
+                                         "async_scheduling": False})
+    for argv, message in [(["--page-size", "0"], "--page-size must be a positive integer, got 0"),
+                          (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+                          (["--max-num-seqs", "many"], "invalid int value: 'many'"),
+                          (["--lora-backend", "triton"], "invalid choice: 'triton'"),
+                          (["--compile-per-layer"], "unrecognized arguments: --compile-per-layer"),
+                          (["--overlap-steps"], "unrecognized arguments: --overlap-steps"),
+                          (["--lora-modules", "nameonly"], "expected name=path or a JSON object"),
+                          (["--port", "-1"], "must be >= 0")]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["--model", "tiny", *argv])
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("slora-jax serve: error: ") and message in err[-1], (argv, err)
+        assert not any("Traceback" in line for line in err)
+
+
 def test_cli_serve(demo):
     """`python -m slora_jax serve` starts, prints one line saying where it listens, and serves."""
     model_dir, paths = demo
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
            "--lora-modules", f"a={paths[ADAPTERS[0]]}", json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}),
            "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup",
-           "--api-key", "sk-cli", "--compile-per-layer"]
+           "--api-key", "sk-cli"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
@@ -455,7 +506,7 @@ def test_cli_serve(demo):
         auth = {"Authorization": "Bearer sk-cli"}
         models = httpx.get(url + "/v1/models", headers=auth).json()
         assert [d["id"] for d in models["data"]] == ["base", "a", "b"]
-        done = httpx.post(url + "/v1/completions", headers=auth, timeout=120,  # one layer jit per shape
+        done = httpx.post(url + "/v1/completions", headers=auth, timeout=300,  # compiles its step shapes
                           json={"model": "a", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.0}).json()
         assert done["usage"]["completion_tokens"] == 3, done
     finally:

@@ -26,7 +26,6 @@ from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_server, text, wait
 
 from slora_jax.model.peft import random_peft_adapter
 from slora_jax.model.config import load_model_config
-from slora_jax.engine.engine import EngineOptions
 
 KEY = "sk-test-key"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -328,10 +327,6 @@ def test_overload_429(env):
     assert_serves(st.url)
 
 
-EARLY_ABORT = "ttft_slo" in {f.name for f in dataclasses.fields(EngineOptions)}
-
-
-@pytest.mark.skipif(not EARLY_ABORT, reason="this engine has no TTFT early abort (scheduler.py)")
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_early_abort_503(env, stream):
     """A request the scheduler aborts before its first token (its TTFT objective cannot be met any

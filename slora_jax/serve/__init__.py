@@ -1,1 +1,8 @@
-"""serve"""
+"""The OpenAI-compatible server over one `LLM`.
+
+protocol.py   request parsing and validation, the error shape, the pieces of a response
+chat.py       chat messages -> prompt token ids (the model's chat template)
+async_engine  the engine thread, and the queue between it and the HTTP handlers
+app.py        build_app: the FastAPI routes, middleware, streaming, metrics
+cli.py        `slora-jax serve` (flags from EngineConfig), ServerThread
+"""

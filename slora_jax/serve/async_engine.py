@@ -39,7 +39,7 @@ from typing import Any, Callable
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
 
-log = logging.getLogger("slora_jax.serve.app")
+log = logging.getLogger(__name__)
 
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

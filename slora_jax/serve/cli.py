@@ -1,0 +1,233 @@
+"""`slora-jax serve`: the command line that builds an `LLM` and serves it with uvicorn, and
+`ServerThread`, the same app on a background thread (tests, notebooks).
+
+The engine's flags come from `EngineConfig` (slora_jax/config.py): one flag per field in
+`ENGINE_FLAGS`, named as the field in kebab case (vLLM's flag names where the meaning is the same),
+with the field's type and default. Only the flags given on the command line reach `LLM`, so the
+defaults live in EngineConfig alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from slora_jax.config import ADMISSION_ORDERS, ATTENTION_BACKENDS, LORA_BACKENDS, EngineConfig
+from slora_jax.serve.app import build_app
+
+# EngineConfig field -> help text. The flag is "--" + the field's name with "-" for "_".
+ENGINE_FLAGS = {
+    "max_num_seqs": "requests running at once",
+    "max_num_batched_tokens": "prompt tokens a prefill step takes; longer prompts are chunked",
+    "max_loras": "distinct adapters in the running batch",
+    "max_lora_rank": "the largest adapter rank the pool accepts",
+    "max_cpu_loras": "adapters whose weights stay in host memory",
+    "max_cpu_lora_gb": "GiB of adapter weights host memory may hold (default none: 40%% of the machine's memory)",
+    "gpu_memory_utilization": "share of the device's total memory the engine may use",
+    "tensor_parallel_size": "devices the model is split over (Megatron weights, the page pool split along "
+                            "its row width, S-LoRA's adapter layout)",
+    "page_size": "vectors per page of the unified pool; 1 is S-LoRA's token-granular pool",
+    "pool_pages": "an exact pool size in pages; overrides --gpu-memory-utilization",
+    "lora_backend": "LoRA kernels; auto picks per step",
+    "attention_backend": "attention kernels; auto: pallas on a GPU, xla elsewhere",
+    "async_scheduling": "schedule step n+1 while step n runs on the device (default none: on for a GPU, off elsewhere)",
+    "admission_order": "fcfs, or affinity: requests whose adapters are already in memory go first",
+    "max_wait_s": "seconds after which a waiting request goes first, whatever the order",
+    "early_abort_ttft": "seconds: a queued request that cannot get its first token in time is aborted (503)",
+    "prefetch_adapters": "adapters paged in ahead of use per step; 0: off",
+    "compilation_cache_dir": "XLA's persistent compilation cache; '' turns it off",
+}
+CHOICES = {"lora_backend": LORA_BACKENDS, "attention_backend": ATTENTION_BACKENDS,
+           "admission_order": ADMISSION_ORDERS}
+TYPES = {"int": int, "float": float, "str": lambda v: v or None}
+
+# The embedded default (no --model): the tiny demo model on a CPU, with what fits it.
+DEMO_ENGINE = {"max_num_seqs": 16, "pool_pages": 256, "max_lora_rank": 32}
+DEMO_ADAPTERS = 32
+
+
+def engine_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def flag_message(message: str) -> str:
+    """EngineConfig's error message with the flag's name in place of the field's."""
+    name = message.split(" ", 1)[0]
+    return engine_flag(name) + message[len(name):] if name in ENGINE_FLAGS else message
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    group = parser.add_argument_group("engine (slora_jax.EngineConfig)")
+    for name, help_text in ENGINE_FLAGS.items():
+        field = fields[name]
+        if field.default is not None:
+            help_text += f" (default: {field.default})"
+        elif "none:" not in help_text:
+            help_text += " (default: none)"
+        kind = str(field.type).replace(" | None", "")
+        extra = {"action": argparse.BooleanOptionalAction} if kind == "bool" else \
+            {"type": TYPES[kind], "choices": CHOICES.get(name)}
+        group.add_argument(engine_flag(name), dest=name, default=argparse.SUPPRESS, help=help_text, **extra)
+
+
+def parse_lora_modules(items: list[str] | None) -> dict[str, str]:
+    """--lora-modules: each item name=path or '{"name": ..., "path": ...}'."""
+    out = {}
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+                out[d["name"]] = d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {item!r} is not a JSON object with name and path") from None
+        elif "=" in item:
+            name, path = item.split("=", 1)
+            out[name] = path
+        else:
+            raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {item!r}")
+    return out
+
+
+def at_least(lo: int):
+    def parse(v: str) -> int:
+        n = int(v)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {n}")
+        return n
+    parse.__name__ = "integer"
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="slora-jax serve", description="OpenAI-compatible server for one base "
+                                 "model and many LoRA adapters. Without --model: the embedded default (the "
+                                 "tiny demo model with generated adapters).")
+    ap.add_argument("--model", default=None, help="HF model directory or a configs/models shape name")
+    ap.add_argument("--served-model-name", default=None, help="the base model's name in the API "
+                    "(default: --model as given; 'tiny' for the embedded default)")
+    ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="adapters registered at start-up: name=path or '{\"name\": ..., \"path\": ...}'")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="default bfloat16 (float32 for the embedded default)")
+    ap.add_argument("--quantization", default=None, choices=["int8"],
+                    help="int8: the base model's projection weights in int8 with per-row scales (half their "
+                    "memory, which goes to the page pool); default: the model's dtype")
+    ap.add_argument("--max-model-len", type=at_least(1), default=None,
+                    help="the longest prompt + completion (default: the model's context length)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of dummy weights and of unseeded sampling")
+    add_engine_flags(ap)
+    http = ap.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=at_least(0), default=8000)
+    http.add_argument("--api-key", default=os.environ.get("SLORA_API_KEY"),
+                      help="require Authorization: Bearer <key> on /v1 routes (env SLORA_API_KEY)")
+    http.add_argument("--allowed-adapter-dirs", nargs="+", default=None, metavar="DIR",
+                      help="directories that /v1/load_lora_adapter may load from (default: none, loading "
+                      "at run time is off)")
+    http.add_argument("--max-queued-requests", type=at_least(0), default=4096,
+                      help="requests in flight beyond --max-num-seqs before new ones get 429")
+    http.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
+    start = ap.add_argument_group("start-up")
+    start.add_argument("--no-warmup", action="store_true", help="skip compiling the step shapes at start-up")
+    start.add_argument("--warmup-workers", type=at_least(1), default=1, help="threads compiling the step shapes")
+    return ap
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given on the command line, by field name."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    engine = engine_options(args)
+    if args.model is None:
+        engine = {**DEMO_ENGINE, **engine}
+    try:
+        adapters = parse_lora_modules(args.lora_modules)
+        config = EngineConfig(**engine)
+    except ValueError as e:
+        ap.error(flag_message(str(e)))
+    model, name, dtype = args.model, args.served_model_name, args.dtype
+    if model is None:  # the embedded default: what `make demo` runs
+        from slora_jax.demo import prepare
+        model_dir, demo_adapters = prepare(Path.home() / ".cache" / "slora_jax" / "demo", DEMO_ADAPTERS, 0)
+        model, name, dtype = str(model_dir), name or "tiny", dtype or "float32"
+        adapters = {**demo_adapters, **adapters}
+
+    from slora_jax import LLM
+    llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed, quantization=args.quantization,
+              max_model_len=args.max_model_len, **engine)
+    if not args.no_warmup:
+        # Compile every step bucket up to max_model_len before serving. The embedded default's
+        # adapters target mixed module sets, so few of its batches would meet the union's LoRA
+        # buckets: its warm-up compiles the base model's only.
+        llm.warmup(max_context=llm.max_model_len, workers=args.warmup_workers, lora=args.model is not None)
+    app = build_app(llm, name or args.model, api_key=args.api_key, allowed_adapter_dirs=args.allowed_adapter_dirs,
+                    max_in_flight=config.max_num_seqs + args.max_queued_requests)
+
+    import uvicorn
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+
+    async def run():
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"slora-jax: serving {app.state.server.base} + {len(llm.store.entries)} adapters on "
+                  f"http://{shown}:{port} (OpenAI API at /v1, metrics at /metrics)", flush=True)
+        await task
+
+    asyncio.run(run())
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """Run an app with uvicorn on a background thread (tests, notebooks). port 0: a free port."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                                    timeout_keep_alive=30))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="slora-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()

@@ -1,0 +1,408 @@
+"""The OpenAI protocol as the server speaks it: the error shape, request parsing and validation,
+sampling parameters, chat messages, and the pieces of a response (text with stop strings applied,
+logprobs, usage).
+
+Requests are plain JSON checked by hand, so every error names its parameter. Errors have OpenAI's
+shape, {"error": {"message", "type", "param", "code"}}.
+
+Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
+stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
+extensions top_k, stop_token_ids, ignore_eos, return_token_ids (adds `token_ids` and
+`prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
+when its first token cannot come in time). Only the sampled token's logprob is computed, so a
+`top_logprobs` list holds that one token. Penalties, logit_bias, echo, best_of > 1, suffix and tools
+are refused with 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from fastapi.responses import JSONResponse
+
+from slora_jax.sampling import SamplingParams
+from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
+
+MAX_STOP_STRINGS = 16
+MAX_BATCH_PROMPTS = 256
+MAX_BODY_BYTES = 16 << 20
+CHARS_PER_TOKEN_LIMIT = 64   # text longer than max_model_len * this is refused before tokenizing
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,255}$")
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+class APIError(Exception):
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = \
+            status, message, param, code, retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self):
+        headers = {"Retry-After": str(int(max(1, round(self.retry_after))))} if self.retry_after else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def from_engine_error(e: EngineError) -> APIError:
+    code = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}.get(e.status)
+    return APIError(e.status, str(e), None, code, e.retry_after)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the server answered."""
+
+
+# ---------------------------------------------------------------------------------------------
+# field readers
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, lo: int | None = None, hi: int | None = None, default=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_int(v):
+        raise bad(f"{name} must be an integer, got {json.dumps(v)}", name, "invalid_type")
+    if lo is not None and v < lo:
+        raise bad(f"{name} must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise bad(f"{name} must be <= {hi}, got {v}", name)
+    return v
+
+
+def get_number(body: dict, name: str, lo: float, hi: float, default, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_number(v):
+        raise bad(f"{name} must be a number, got {json.dumps(v)}", name, "invalid_type")
+    v = float(v)
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}", name)
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {json.dumps(v)}", name, "invalid_type")
+    return v
+
+
+def refuse_unsupported(body: dict) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (not is_number(v) or v != 0):
+            raise bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
+    v = body.get("repetition_penalty")
+    if v is not None and (not is_number(v) or v != 1):
+        raise bad("repetition_penalty is not supported (only 1)", "repetition_penalty", "unsupported_parameter")
+    for name, what in (("logit_bias", "logit_bias is"), ("echo", "echo is"), ("suffix", "suffix is"),
+                       ("tools", "tools are")):
+        if body.get(name):
+            raise bad(f"{what} not supported", name, "unsupported_parameter")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of is not supported (only 1)", "best_of", "unsupported_parameter")
+    n = get_int(body, "n", 1, None, 1)
+    if n != 1:
+        raise bad(f"n={n} is not supported (only 1)", "n", "unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling parameters
+
+class Limits:
+    """What a request may ask for, from the model and the pool (fixed once the LLM is built)."""
+
+    def __init__(self, llm):
+        self.max_model_len = llm.max_model_len
+        self.vocab = llm.cfg.vocab_size
+        self.pool = llm.engine.pool
+        self.kv_pages_for = llm.engine.kv_pages_for
+        self.store = llm.store
+
+    def max_new_tokens(self, prompt_len: int, adapter: str | None) -> int:
+        """The most tokens a prompt may ask for: the context length, and what fits the pool alone."""
+        entry = self.store.entries.get(adapter) if adapter else None
+        pages = self.pool.kv_capacity(entry.layout.pages if entry else 0)
+        lo, hi = 0, max(self.max_model_len - prompt_len, 0)
+        while lo < hi:  # the largest n with kv_pages_for(prompt_len + n) <= pages
+            mid = (lo + hi + 1) // 2
+            if self.kv_pages_for(prompt_len + mid) <= pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list[int],
+                    adapter: str | None) -> tuple[SamplingParams, dict]:
+    """SamplingParams for every prompt of the request, and the server-side extras (stop strings,
+    logprobs wanted, stream, include_usage, return_token_ids)."""
+    refuse_unsupported(body)
+    if chat:
+        mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    else:
+        mt_name = "max_tokens"
+    max_tokens = get_int(body, mt_name, 1, None)
+    longest = max(prompt_lens)
+    ctx = limits.max_model_len
+    prompt_param = "messages" if chat else "prompt"
+    if longest >= ctx:
+        raise bad(f"This model's maximum context length is {ctx} tokens, but the prompt has {longest} tokens",
+                  prompt_param, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(16, ctx - longest) if not chat else limits.max_new_tokens(longest, adapter)
+        if max_tokens < 1:
+            raise bad(f"the prompt of {longest} tokens leaves no room to generate in the pool",
+                      prompt_param, "context_length_exceeded")
+    elif longest + max_tokens > ctx:
+        raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                  f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
+                  f"completion). Please reduce the prompt or {mt_name}.", mt_name, "context_length_exceeded")
+    temperature = get_number(body, "temperature", 0.0, 2.0, 1.0)
+    top_p = get_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
+    top_k = get_int(body, "top_k", -1, None, 0)
+    seed = get_int(body, "seed")
+    ignore_eos = get_bool(body, "ignore_eos")
+    ttft_slo = get_number(body, "ttft_slo", 0.0, 3600.0, None, lo_open=True)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < limits.vocab for t in stop_ids):
+            raise bad(f"stop_token_ids must be a list of token ids in [0, {limits.vocab})", "stop_token_ids")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop must be a non-empty string or a list of non-empty strings", "stop", "invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if chat:
+        want_lp = get_bool(body, "logprobs")
+        top_lp = get_int(body, "top_logprobs", 0, 20)
+        if top_lp is not None and not want_lp:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        lp = (top_lp or 0) if want_lp else None
+    else:
+        lp = get_int(body, "logprobs", 0, 5)
+    stream = get_bool(body, "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad("stream_options must be an object", "stream_options", "invalid_type")
+    include_usage = bool(so and get_bool(so, "include_usage"))
+    try:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop_token_ids=stop_ids, logprobs=lp is not None, ignore_eos=ignore_eos,
+                            **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
+    except ValueError as e:  # anything the checks above missed
+        raise bad(str(e)) from None
+    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage,
+                    return_token_ids=get_bool(body, "return_token_ids"))
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts and adapter paths
+
+def tokenize_prompt(prompt, param: str, tokenizer, limits: Limits) -> list[int]:
+    """One prompt, text or token ids, as token ids inside the model's vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("the prompt is empty", param)
+        if tokenizer is None:
+            raise bad("this model has no tokenizer.json: send token ids", param)
+        if len(prompt) > limits.max_model_len * CHARS_PER_TOKEN_LIMIT:
+            raise bad(f"the prompt of {len(prompt)} characters is far over the maximum context length "
+                      f"of {limits.max_model_len} tokens", param, "context_length_exceeded")
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise bad("the prompt is empty", param)
+    if not all(is_int(t) for t in prompt):
+        raise bad("a token-id prompt must be a list of integers", param, "invalid_type")
+    v = limits.vocab
+    if not all(0 <= t < v for t in prompt):
+        raise bad(f"token ids must be in [0, {v})", param)
+    return list(prompt)
+
+
+def parse_prompts(body: dict, tokenizer, limits: Limits) -> list[list[int]]:
+    """The completions API's `prompt`: str | [str] | [int] | [[int]], as lists of token ids."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [tokenize_prompt(p, "prompt", tokenizer, limits)]
+    if isinstance(p, list) and p and all(is_int(t) for t in p):
+        return [tokenize_prompt(p, "prompt", tokenizer, limits)]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_BATCH_PROMPTS:
+            raise bad(f"at most {MAX_BATCH_PROMPTS} prompts per request", "prompt")
+        return [tokenize_prompt(x, f"prompt[{i}]", tokenizer, limits) for i, x in enumerate(p)]
+    if p is None:
+        raise bad("prompt is required", "prompt", "missing_required_parameter")
+    if isinstance(p, list) and not p:
+        raise bad("the prompt is empty", "prompt")
+    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+              "token ids", "prompt", "invalid_type")
+
+
+def check_adapter_path(path: str, allowed: list[str]) -> str:
+    """The real path of an adapter directory inside one of the `allowed` real paths; 400 otherwise."""
+    if not allowed:
+        raise bad("loading adapters at run time is disabled: start the server with --allowed-adapter-dirs",
+                  "lora_path", "path_not_allowed")
+    if "\x00" in path:
+        raise bad("lora_path contains a NUL byte", "lora_path", "path_not_allowed")
+    real = os.path.realpath(path)
+
+    def inside(p: str) -> bool:
+        return any(os.path.commonpath([p, root]) == root for root in allowed)
+
+    if not inside(real):
+        raise bad(f"lora_path {path!r} is not inside --allowed-adapter-dirs (symlinks and '..' are "
+                  "resolved first)", "lora_path", "path_not_allowed")
+    if not os.path.isdir(real):
+        raise bad(f"lora_path {path!r} is not a directory", "lora_path", "invalid_adapter")
+    for f in os.listdir(real):  # a file inside that links out is refused too
+        if not inside(os.path.realpath(os.path.join(real, f))):
+            raise bad(f"lora_path {path!r}: {f} links outside --allowed-adapter-dirs", "lora_path",
+                      "path_not_allowed")
+    return real
+
+
+# ---------------------------------------------------------------------------------------------
+# chat messages
+
+def parse_messages(body: dict) -> list[dict]:
+    """`messages` as [{"role", "content", "name"?}], text parts joined into one string."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list", "messages", "invalid_type")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where, "invalid_type")
+        role = m.get("role")
+        if role not in MESSAGE_ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {json.dumps(role)}",
+                      f"{where}.role")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                              "are supported", f"{where}.content", "invalid_type")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content",
+                      "invalid_type")
+        msg = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    if all(not m["content"] for m in out):
+        raise bad("messages are all empty", "messages")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# response pieces
+
+class Choice:
+    """One prompt of a request: the tokens generated, and the text sent so far."""
+
+    def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None):
+        self.index, self.handle, self.tok, self.stop = index, handle, tokenizer, stop
+        self.want_lp = logprobs
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.abort_reason: str | None = None
+        self._hold = max((len(s) for s in stop), default=1) - 1  # text held back: a stop string may start there
+
+    def feed(self, d: Delta) -> tuple[str, list[int], list[float]]:
+        """New text, token ids and logprobs to send for delta `d` (stop strings applied)."""
+        n0, t0 = len(self.token_ids), len(self.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            self.logprobs.extend(d.logprobs)
+        finished = d.finish_reason is not None
+        if finished:
+            self.finish_reason, self.abort_reason = d.finish_reason, d.abort_reason
+        if self.tok is not None:
+            # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown.
+            shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
+            full = self.tok.decode(shown)
+            end = len(full)
+            if self.stop:
+                hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, t0 - len(s)))) >= 0),
+                          default=None)
+                if hit is not None:
+                    full, end = full[:hit[0]], hit[0]
+                    self.finish_reason, finished = "stop", True
+            if not finished:
+                while end > t0 and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    end -= 1
+                end = max(t0, min(end, len(full) - self._hold))
+            self.text = full[:end]
+        return self.text[t0:], self.token_ids[n0:], self.logprobs[n0:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def usage(choices: list[Choice]) -> dict:
+    p = sum(len(c.handle.prompt) for c in choices)
+    g = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def completion_logprobs(c: Choice, pieces: list[str], lps: list[float], offsets: list[int]) -> dict | None:
+    """The completions API's logprobs object for tokens shown as `pieces` at text `offsets`."""
+    if c.want_lp is None:
+        return None
+    return {"tokens": pieces, "token_logprobs": list(lps),
+            "top_logprobs": [{tok: lp} for tok, lp in zip(pieces, lps)] if c.want_lp > 0 else None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(c: Choice, pieces: list[str], lps: list[float]) -> dict | None:
+    """The chat API's logprobs object for tokens shown as `pieces`."""
+    if c.want_lp is None:
+        return None
+    content = []
+    for tok, lp in zip(pieces, lps):
+        entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+        entry["top_logprobs"] = [dict(entry)] if c.want_lp > 0 else []
+        content.append(entry)
+    return {"content": content}
