@@ -381,8 +381,8 @@ def _trim_host_memory() -> None:
 def save_params(params: Params, ckpt_dir: str | os.PathLike) -> None:
     """Save the converted pytree with orbax (atomic: a partial save never looks complete).
 
-    Measured on llama-7b (13.5 GB, H200): orbax's defaults left ~24 GB of host memory held after
-    the save, half of it tied to the saved arrays for as long as they live. Saving throwaway
+    With orbax's defaults the process keeps host memory of more than the weights' size after the
+    save, part of it tied to the saved arrays for as long as they live. Saving throwaway
     device copies, staged through unpinned host memory, then trimming, returns the process to
     its baseline. The price is one transient extra copy of the weights on the device.
     """
