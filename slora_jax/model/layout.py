@@ -78,7 +78,7 @@ def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: in
         a[:w.rank] = w.a.T
         b = out[layer, slot.b_row * width: slot.b_row * width + slot.rank * fout].reshape(slot.rank, fout)
         # B [r, out] is a view of the file's [out, r] (load_peft_adapter): cast in that order,
-        # then one float32 transpose (a cast and a transpose in one assignment is ~2x slower).
+        # then one float32 transpose (a cast and a transpose in one assignment is slower: it strides).
         b[:w.rank] = np.ascontiguousarray(np.asarray(w.b.T, np.float32).T) * np.float32(w.scale)
     return out.reshape(cfg.num_hidden_layers, layout.rows, width)
 

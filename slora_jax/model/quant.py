@@ -4,7 +4,7 @@
 one float32 scale per output row (symmetric: s = max |W[o, :]| / 127, q = round(W / s)); the
 scale sits beside the weight as `<module>_scale`, as a bias sits as `<module>_bias`. The model
 multiplies x by the int8 matrix cast to the compute dtype and scales the product's columns
-(`model.linear_q`), so the adapters, which read x and add to the product, are unchanged. The
+(`llama.linear_q`), so the adapters, which read x and add to the product, are unchanged. The
 embedding, the head and the norms stay in the model's dtype.
 
 Freed memory goes to the page pool (it is sized from what is left after the weights), i.e. to

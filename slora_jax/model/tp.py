@@ -1,9 +1,9 @@
-"""Tensor parallelism (DESIGN.md, "Tensor parallelism"): one mesh axis, "tp", over N devices.
+"""Tensor parallelism (docs/ARCHITECTURE.md, "Tensor parallelism"): one mesh axis, "tp", over N devices.
 
 - Base weights, Megatron style: q, k, v, gate and up split on their outputs (column-parallel), o
   and down on their inputs (row-parallel, their partial outputs summed across the axis).
   Embeddings, norms and the LM head are replicated, so every device samples the same tokens.
-- The pool is split along its row width (H, the K/V vector): each device holds its own K/V heads,
+- The pool is split along its row width (W, one K/V vector): each device holds its own K/V heads,
   and a slice of every adapter row.
 - Adapters, S-LoRA's layout: A split on its input and B on its output on every module. A device
   shrinks its slice of x (a column-parallel layer's x is whole on every device: it takes its slice;

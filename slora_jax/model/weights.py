@@ -381,8 +381,8 @@ def _trim_host_memory() -> None:
 def save_params(params: Params, ckpt_dir: str | os.PathLike) -> None:
     """Save the converted pytree with orbax (atomic: a partial save never looks complete).
 
-    Measured on llama-7b (13.5 GB, H200): orbax's defaults left ~24 GB of host memory held after
-    the save, half of it tied to the saved arrays for as long as they live. Saving throwaway
+    With orbax's defaults the process keeps host memory of more than the weights' size after the
+    save, part of it tied to the saved arrays for as long as they live. Saving throwaway
     device copies, staged through unpinned host memory, then trimming, returns the process to
     its baseline. The price is one transient extra copy of the weights on the device.
     """
@@ -401,7 +401,8 @@ def restore_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig, dtype="bfloat1
     import orbax.checkpoint as ocp
 
     target = _abstract_params(cfg, dtype)
-    # Bound the bytes in flight (llama-7b: host peak 21 GB -> 7 GB); at least the largest leaf.
+    # Bound the bytes in flight: with orbax's default the host's peak exceeds the weights' size.
+    # The bound is at least the largest leaf.
     largest = max(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(target))
     handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=max(4, math.ceil(largest / 1e9)))
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)  # places leaves on the device
