@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(os.environ.get("SLORA_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
+CONFIG_DIR = Path(os.environ.get("SLORA_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
 
 # The projections an adapter may target, in the order the engine stores them.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
