@@ -14,7 +14,7 @@ import numpy as np
 
 from slora_jax.engine import step as paged
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
-from slora_jax.engine.attention import QUERY_BLOCK
+from slora_jax.engine import attention
 from slora_jax.engine.pool import NULL_PAGE, UnifiedPool
 from slora_jax.engine.scheduler import MAX_PREFILL_SEQS, PENDING, Request
 from slora_jax.model.config import TARGET_MODULES, ModelConfig
@@ -277,7 +277,7 @@ class StepInputBuilder:
     def key_window(t: int, longest: int) -> int:
         """The key window of a packed prefill step of t tokens whose longest chunk has `longest`
         (0: none, every query block reads every new token)."""
-        qb = min(t, QUERY_BLOCK)
+        qb = min(t, attention.QUERY_BLOCK)
         window = max(qb, pow2(longest))
         return window if window + qb < t else 0
 
