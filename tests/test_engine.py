@@ -247,7 +247,7 @@ def test_host_cache_miss_rereads_adapter_from_disk(paths, ref):
     # One adapter's rows in host memory: every load of the other twin goes back to disk. Prefetch
     # off: its reads start on worker threads as requests arrive, and how many of them a later load
     # finds still cached depended on thread timing (3 disk loads in one CI run on a busy machine).
-    engine = make_llm(paths, ADAPTERS, page_size=16, pool_pages=small_pool(paths), host_cache_size=1,
+    engine = make_llm(paths, ADAPTERS, page_size=16, pool_pages=small_pool(paths), max_cpu_loras=1,
                       prefetch_adapters=0)
     run_alternating(engine, ref)
     st = engine.stats()
@@ -563,7 +563,7 @@ def test_reregister_same_path_rewritten_in_place(paths, ref, tmp_path):
 def _failed_load(paths):
     """An engine whose first request for "a" fails to page it in: a's rows are not in the host
     cache (size 1) and its directory is gone at that moment."""
-    engine = make_llm(paths, ADAPTERS, page_size=16, pool_pages=small_pool(paths), host_cache_size=1)
+    engine = make_llm(paths, ADAPTERS, page_size=16, pool_pages=small_pool(paths), max_cpu_loras=1)
     moved = str(paths["a"]) + ".moved"
     os.rename(paths["a"], moved)
     try:
@@ -645,7 +645,7 @@ def test_padded_slots_lora_runs_over_every_slot_at_max_rank(paths):
     e.add_request(W_PROMPTS[1], SP, "b", 0, ())
     plan = e.sched.schedule()
     e._write_adapters(plan.loads)
-    lora = e._lora_inputs([plan.requests[0]] * 2, 2, decode=True)
+    lora = e.slots.lora_inputs([plan.requests[0]] * 2, 2, decode=True)
     assert set(lora.rows) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for module, (a, b) in lora.rows.items():
         if a is None:  # q, k, v under the grouped Pallas shrink: A rows stacked (paged.stack_qkv)
@@ -901,13 +901,13 @@ def test_few_slots_bucket_routes_kernel_decode_steps_to_the_dot_shrink(paths, mo
 def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     """With adapters registered, warmup also compiles every LoRA slot bucket on their modules: the
     mixed batch W then runs without a new step shape, and as the reference."""
-    eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_prefill_seqs=8)
+    eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_num_batched_tokens=64)
     n = eng.warmup(max_context=16, progress=False, workers=2)  # two compile threads
     # decode: batches 1, 2, 4, 8 (one page), each base and LoRA at its one slot bucket (at least 8,
-    # at most the batch); prefill of 16, 32, 64 tokens, base and LoRA at 8 slots; LoRA on two
-    # module sets (the registered adapters' attention modules, and all seven).
-    assert n == 4 * (1 + 2) + 3 * (1 + 2)
+    # at most the batch); prefill of 16, 32, 64 tokens (up to MAX_PREFILL_SEQS = 16 sequences),
+    # base and LoRA at 8 and 16 slots; LoRA on two module sets (the registered adapters' attention
+    # modules, and all seven).
+    assert n == 4 * (1 + 2) + 3 * (1 + 2 * 2)
     assert_same(eng.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
     assert len(eng.engine._shapes) == n, "a warmed-up LoRA shape compiled again"
     assert_drained(eng)
