@@ -113,7 +113,7 @@ def _write_kv_all(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax
 def commit_kv(pool: list[jax.Array], new_kv, kv_slot: jax.Array) -> list[jax.Array]:
     """Write every layer's new K/V [T, kv_heads, d] at kv_slot [T]. A jit of its own that only
     scatters into the donated pool, so XLA updates it in place on every backend; inside the
-    step, where the same buffers are also gathered from, XLA on GPU copied them instead."""
+    step, where the same buffers are also gathered from, XLA on GPU copies them instead."""
     return _write_kv_all(pool, new_kv, kv_slot)
 
 

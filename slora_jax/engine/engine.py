@@ -165,8 +165,8 @@ class Engine:
                                  f"{tp} (AdapterStore(..., tp=tensor_parallel_size))")
             self.params = tp_mod.shard_params(params, self.tp)
         self.max_model_len = max_model_len
-        # Not on the CPU: XLA:CPU's cached executables can crash the process that loads them (jax
-        # issues 24982 and 28908), and CPU compiles are short. GPU compiles are what it saves.
+        # Not on the CPU: XLA:CPU's cached executables can crash the process that loads them (known
+        # JAX bugs), and CPU compiles are short. GPU compiles are what the cache saves.
         if config.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None and \
                 jax.default_backend() != "cpu":
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)

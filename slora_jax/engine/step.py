@@ -5,7 +5,9 @@ step is two jits: `forward_sample` only reads the pool, `commit_kv` only writes 
 into it, donated, so the writes land in place. The step reads adapters straight from their pages and
 samples on the device; one [S, 2] float32 array (token, logprob) comes back to the host.
 
-The "xla" backends here are plain jnp: correct everywhere, and the baseline the kernels beat.
+Attention over the pool and the K/V writes are in attention.py, the step's inputs are built on
+the host by inputs.py. The "xla" backends are plain jnp: correct everywhere, and the reference
+the kernels are tested against.
 """
 
 from __future__ import annotations
