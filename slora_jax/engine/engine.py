@@ -25,6 +25,7 @@ from slora_jax.config import EngineConfig
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
+from slora_jax.engine.attention import QUERY_BLOCK
 from slora_jax.engine.inputs import AdapterSlots, StepInputBuilder, group_by_adapter, pow2 as _pow2
 from slora_jax.engine.metrics import EngineMetrics, PhaseTimer, StepCostModel
 from slora_jax.engine.pool import RegionPool, UnifiedPool
@@ -113,7 +114,6 @@ def activation_bytes(cfg: ModelConfig, config: EngineConfig, dtype, tp: int = 1)
     """A bound on one device's working memory of a step beyond weights and pool: the largest
     step's activations, its new K/V of every layer (alive until commit_kv), the packed prefill
     attention's scores of one query block, and the sampled rows' float32 logits."""
-    from slora_jax.engine.attention import QUERY_BLOCK
     item = jnp.dtype(dtype).itemsize
     rows = max(_pow2(config.max_num_batched_tokens, 16), _pow2(config.max_num_seqs))
     per_token = (6 * cfg.hidden_size + 3 * cfg.intermediate_size // tp) * item
