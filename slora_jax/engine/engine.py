@@ -155,7 +155,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, config: EngineConfig,
                  max_model_len: int, *, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False):
         self.cfg, self.params, self.dtype, self.store, self.config = cfg, params, jnp.dtype(dtype), store, config
-        self.opts = LoraChoices.resolve(config)
+        self.opts = LoraChoices.resolve(config)  # "auto" resolved: what steps run LoRA and attention on
         # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.model.tp).
         tp = config.tensor_parallel_size
         self.tp = tp_mod.TP.make(tp, cfg) if tp > 1 else None

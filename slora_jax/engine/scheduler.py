@@ -1,14 +1,13 @@
 """Which requests run in the next step, under the unified pool's budget (host only: no JAX).
 
-The engine drives one `Scheduler` per step, and so can a mock step with a simulated clock
+One `Scheduler` drives the steps of the engine, or of a mock step with a simulated clock
 (tests/test_scheduler.py): `plan = schedule()` (early aborts, admissions, KV growth,
-preemption); the engine writes plan.loads into the pool and dispatches the step; while the device
+preemption); the caller writes plan.loads into the pool and dispatches the step; while the device
 runs it, it fills the pages of `prefetch(plan)`; then `complete(plan, results, seconds)`.
-
-With async scheduling (EngineConfig.async_scheduling) the engine calls `advance(plan)` right
-after dispatching, which applies what the step surely does (its K/V, a PENDING token per sampling
-chunk), then schedules and dispatches the next step before it waits for this one;
-`complete_overlapped` then puts the real tokens in and finishes requests one step late.
+The engine instead calls `advance(plan)` right after the dispatch, which applies what the step
+surely does (its K/V, a PENDING token per sampling chunk), and `complete_overlapped` once the
+results are on the host, which puts the real tokens in. With async scheduling the next step is
+scheduled and dispatched in between, and requests finish one step late.
 
 Policies (fields of `EngineConfig`):
 - Admission under the pool budget. A request is admitted when the KV pages of its first prefill
