@@ -55,7 +55,7 @@ class EngineConfig:
     # -- execution ------------------------------------------------------------------------------
     lora_backend: str = "auto"               # "auto" picks per step (slora_jax.lora.select)
     attention_backend: str = "auto"          # "auto": "pallas" on a GPU, "xla" elsewhere
-    async_scheduling: bool | None = None     # schedule step n+1 while step n runs; None: on a GPU
+    async_scheduling: bool | None = None     # dispatch step n+1 before waiting for step n; None: off only on a CPU
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = os.path.expanduser("~/.cache/slora_jax/xla")
     # -- benchmark baselines only ---------------------------------------------------------------

@@ -8,16 +8,15 @@ from typing import Sequence
 
 import numpy as np
 
-from slora_jax.model import quant
-
-from slora_jax.model import tp
+from slora_jax.config import EngineConfig
 from slora_jax.engine.adapter_store import AdapterStore, host_cache_bytes
+from slora_jax.engine.engine import Engine
+from slora_jax.model import quant, tp
 from slora_jax.model.config import load_model_config
-from slora_jax.engine.engine import Engine, EngineOptions
-from slora_jax.request import RequestOutput
-from slora_jax.sampling import SamplingParams
 from slora_jax.model.tokenizer import load_tokenizer
 from slora_jax.model.weights import load_params
+from slora_jax.request import RequestOutput
+from slora_jax.sampling import SamplingParams
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -30,13 +29,14 @@ class LLM:
     adapters: {name: PEFT adapter directory}.
     quantization: None, or "int8": the projections' weights in int8 with per-row scales
     (slora_jax.model.quant; half their bytes, the memory going to the page pool).
-    options: EngineOptions fields (page_size, pool_pages, max_num_seqs, max_lora_rank,
-    lora_backend, attention_backend, ...).
+    config: an EngineConfig; fields: EngineConfig fields that replace config's (page_size,
+    pool_pages, max_num_seqs, max_lora_rank, lora_backend, ...).
     """
 
     def __init__(self, model: str | os.PathLike, adapters: dict[str, str] | None = None,
                  dtype: str = "bfloat16", *, seed: int = 0, max_model_len: int | None = None,
-                 cache_dir: str | None = None, quantization: str | None = None, **options):
+                 cache_dir: str | None = None, quantization: str | None = None,
+                 config: EngineConfig | None = None, **fields):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if quantization is not None and quantization not in quant.QUANTIZATIONS:
@@ -44,7 +44,11 @@ class LLM:
         self.model = str(model)
         self.dtype = dtype
         self.cfg = load_model_config(model)
-        self.options = EngineOptions(**options)
+        unknown = sorted(set(fields) - set(EngineConfig.field_names()))
+        if unknown:
+            raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"EngineConfig fields are: {', '.join(EngineConfig.field_names())}")
+        self.config = (config or EngineConfig()).replace(**fields)
         self.max_model_len = max_model_len or self.cfg.context_limit
         window = self.cfg.sliding_window
         if window is not None and self.max_model_len > window:
@@ -54,16 +58,16 @@ class LLM:
         self.quantization = quantization
         self.params = quant.quantize_params(load_params(model, self.cfg, dtype, seed=seed, cache_dir=cache_dir),
                                             quantization)
-        if self.options.tensor_parallel > 1:  # split now: the whole copy is freed before the pool is sized
-            self.params = tp.shard_params(self.params, tp.TP.make(self.options.tensor_parallel, self.cfg))
+        c = self.config
+        if c.tensor_parallel_size > 1:  # split now: the whole copy is freed before the pool is sized
+            self.params = tp.shard_params(self.params, tp.TP.make(c.tensor_parallel_size, self.cfg))
         self.tokenizer = load_tokenizer(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
         self._rng = np.random.default_rng(seed)
-        self.store = AdapterStore(self.cfg, self.params["norm"].dtype, self.options.page_size,
-                                  self.options.max_lora_rank, self.options.host_cache_size,
-                                  pad_to_max_rank=self.options.adapter_memory == "padded_slots",
-                                  host_cache_bytes=host_cache_bytes(self.options.host_cache_gb),
-                                  stage_workers=self.options.stage_workers, tp=self.options.tensor_parallel)
-        self.engine = Engine(self.cfg, self.params, dtype, self.store, self.options, self.max_model_len)
+        padded = c.baseline is not None and c.baseline.kind == "padded_slots"
+        self.store = AdapterStore(self.cfg, self.params["norm"].dtype, c.page_size, c.max_lora_rank, c.max_cpu_loras,
+                                  pad_to_max_rank=padded, host_cache_bytes=host_cache_bytes(c.max_cpu_lora_gb),
+                                  tp=c.tensor_parallel_size)
+        self.engine = Engine(self.cfg, self.params, dtype, self.store, c, self.max_model_len)
         if adapters:
             self.load_adapters(adapters)
 

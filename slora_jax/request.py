@@ -1,4 +1,5 @@
-"""What a request carries in and what comes back out."""
+"""What a request carries in (`Request`: its tokens, adapter and progress, the scheduler's unit),
+what one step runs (`Plan`), and what comes back out (`RequestOutput`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,45 @@ def stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozense
     if not params.ignore_eos:
         ids.update(eos_token_ids)
     return frozenset(ids)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: str
+    tokens: list[int]                 # prompt + generated so far
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    adapter: object | None            # AdapterEntry bound at admission (None: base model)
+    out: RequestOutput
+    stops: frozenset
+    arrival: float
+    num_computed: int = 0             # tokens whose K/V are in the pool
+    holds_adapter: bool = False       # has a reference on its adapter's pages
+    deadline: float | None = None     # arrival + TTFT objective
+    first_token_at: float | None = None
+    resumed: bool = False             # preempted after admission: goes first
+    adapter_name: str | None = dataclasses.field(init=False)  # what the request asked for
+
+    def __post_init__(self):
+        self.adapter_name = self.out.adapter if self.out.adapter is not None else \
+            self.adapter.name if self.adapter is not None else None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass
+class Plan:
+    """One step: `chunks` are (request, start, end) token ranges; all prefill or all decode."""
+    kind: str                                   # "prefill" | "decode" | "idle"
+    chunks: list[tuple[Request, int, int]]
+    loads: list[tuple[object, list[int]]]       # (adapter entry, pages) to fill before the step
+    finished: list[RequestOutput]               # aborted while scheduling
+    # Overlapped steps (`advance`): (results row, request, token index) of each PENDING token.
+    pending: list[tuple[int, "Request", int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c[0] for c in self.chunks]

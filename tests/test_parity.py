@@ -264,7 +264,7 @@ def test_legacy_config_layout(oracle):
 # --- the paged engine under pressure ------------------------------------------------------------
 
 @pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "onetrip_lora",
-                                    "onetrip_one_launch", "ranksplit_lora", "per_layer"])
+                                    "onetrip_one_launch", "ranksplit_lora"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
@@ -273,8 +273,7 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     attention kernels, with the fused LoRA kernel (one launch a module; q, k and v in one on the
     mha model), with the one-trip decode pair (pallas_kernels/onetrip.py, its tables built on
     the host), with the rank-split decode kernel (triton_kernels/ranksplit.py; off the GPU its
-    jnp stand-in from the same tables); and compiled one decoder layer at a time
-    (compile_per_layer). Every row still matches the oracle."""
+    jnp stand-in from the same tables). Every row still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
@@ -318,8 +317,6 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
                 launches.append(a_rows.shape[0])  # modules in the launch
                 return real(x, rows, a_rows, *args, **kw)
             monkeypatch.setattr(paged, "lora_fused_delta", spy)
-    elif config == "per_layer":
-        opts = dict(compile_per_layer=True)
     else:
         opts = dict(page_size=4, max_num_seqs=3)
         probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **{**_llm_options(), **opts,

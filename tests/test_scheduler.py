@@ -22,7 +22,8 @@ from slora_jax.model.layout import AdapterLayout
 from slora_jax.engine.pool import UnifiedPool
 from slora_jax.request import RequestOutput
 from slora_jax.sampling import SamplingParams
-from slora_jax.engine.scheduler import Request, Scheduler, SchedulerOptions, StepCostModel
+from slora_jax.config import EngineConfig
+from slora_jax.engine.scheduler import Request, Scheduler, StepCostModel
 
 PAGE = 16
 
@@ -70,8 +71,9 @@ class Sim:
         self.version = 0
         for name in adapters:
             self.register(name, adapter_pages)
-        self.sched = Scheduler(self.pool, SchedulerOptions(**opts), PAGE, self.entries.get,
-                               clock=self.clock, cost=StepCostModel())
+        mixed = opts.pop("mixed_steps", False)
+        self.sched = Scheduler(self.pool, EngineConfig(**opts), PAGE, self.entries.get,
+                               clock=self.clock, cost=StepCostModel(), mixed_steps=mixed)
         self.page_holds: dict[int, tuple] = {}     # what the mock device's pages hold
         self.bound: dict[int, tuple] = {}          # id(request) -> adapter key it was admitted with
         self.requests: list[Request] = []
@@ -199,7 +201,7 @@ def capacity(max_num_seqs: int) -> float:
 def test_early_abort_keeps_slo_attainment_under_2x_overload(cv):
     arrivals = trace(400, 2 * capacity(16), cv=cv, seed=2)
     fcfs = Sim(max_num_seqs=16).run(arrivals)
-    abort = Sim(max_num_seqs=16, ttft_slo=SLO).run(arrivals)
+    abort = Sim(max_num_seqs=16, early_abort_ttft=SLO).run(arrivals)
     a_fcfs, a_abort = fcfs.attainment(SLO), abort.attainment(SLO)
     assert a_abort > 2 * a_fcfs, (a_abort, a_fcfs)
     if cv == 1.0:  # at 2x overload about half the requests can be served at all
@@ -214,13 +216,13 @@ def test_early_abort_keeps_slo_attainment_under_2x_overload(cv):
 
 
 def test_no_abort_without_overload():
-    sim = Sim(max_num_seqs=16, ttft_slo=SLO).run(trace(200, 0.5 * capacity(16), seed=3))
+    sim = Sim(max_num_seqs=16, early_abort_ttft=SLO).run(trace(200, 0.5 * capacity(16), seed=3))
     assert sim.attainment(SLO) > 0.97
     assert sim.sched.metrics.requests_aborted.value <= 3
 
 
 def test_request_objective_overrides_engine_default():
-    sim = Sim(max_num_seqs=1, ttft_slo=100.0)
+    sim = Sim(max_num_seqs=1, early_abort_ttft=100.0)
     arrivals = [Arrival(0.0, 32, 200, None), Arrival(0.0, 32, 8, None, slo=0.5), Arrival(0.0, 32, 8, None)]
     sim.run(arrivals)
     reasons = [r.out.finish_reason for r in sim.requests]
@@ -238,7 +240,7 @@ def test_clustering_lowers_distinct_adapters_per_batch():
     names = sorted({a.adapter for a in arrivals})
 
     def run(cap, order):
-        return Sim(adapters=names, max_num_seqs=16, max_adapters_per_batch=cap, admission_order=order,
+        return Sim(adapters=names, max_num_seqs=16, max_loras=cap, admission_order=order,
                    max_wait_s=1e9).run(arrivals)
 
     def distinct(sim):
@@ -267,7 +269,7 @@ def test_no_starvation_with_one_adapter_slot(order):
     lone = Arrival(0.55, 16, 8, "cold")
 
     def run(max_wait):
-        sim = Sim(adapters=["hot", "cold"], max_num_seqs=8, max_adapters_per_batch=1,
+        sim = Sim(adapters=["hot", "cold"], max_num_seqs=8, max_loras=1,
                   admission_order=order, max_wait_s=max_wait).run(stream + [lone])
         return sim, next(r for r in sim.requests if r.adapter_name == "cold")
 
@@ -300,16 +302,16 @@ def test_affinity_prefers_the_batch_then_resident_then_larger_groups_then_age():
 # memory budget
 
 
-def test_kv_reserve_admits_within_worst_case_and_never_preempts():
+def test_admission_on_pages_needed_now_preempts_on_shortage_and_finishes_all():
+    """Admission takes the pages a request needs now, not its worst case: a small pool admits more
+    than it can grow, decode preempts (and later recomputes) the newest, and every request ends."""
     arrivals = [dataclasses.replace(a, t=0.0) for a in trace(100, 1.0, adapters=4, prompt=(16, 128),
                                                             output=(16, 96), seed=5)]
     names = sorted({a.adapter for a in arrivals})
     pages = 1 + 4 * 4 + 40  # adapters + about 8 requests' worst case
-    optimistic = Sim(pool_pages=pages, adapters=names, max_num_seqs=32).run(arrivals)
-    reserved = Sim(pool_pages=pages, adapters=names, max_num_seqs=32, kv_reserve=1.0).run(arrivals)
-    assert optimistic.sched.num_preempted > 0
-    assert reserved.sched.num_preempted == 0
-    assert all(r.out.finish_reason == "length" for r in reserved.requests)
+    sim = Sim(pool_pages=pages, adapters=names, max_num_seqs=32).run(arrivals)
+    assert sim.sched.num_preempted > 0
+    assert all(r.out.finish_reason == "length" for r in sim.requests)
 
 
 def test_admission_counts_each_distinct_adapter_once():
@@ -330,19 +332,17 @@ def test_admission_counts_each_distinct_adapter_once():
 
 
 def test_chunked_prefill_splits_long_prompts():
-    sim = Sim(max_prefill_tokens=64, max_num_seqs=4)
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=4)
     sim.run([Arrival(0, 200, 4, None), Arrival(0, 10, 4, None)])
     prefills = [n for kind, n, _ in sim.batches if kind == "prefill"]
     assert len(prefills) >= 4  # 200 tokens in chunks of <= 64
     assert all(r.out.finish_reason == "length" and r.generated == 4 for r in sim.requests)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_prompts_that_fit_a_step_are_not_split_unless_asked(split):
-    """Prompts of 40, 40 and 100 tokens, 64 a step. By default the second 40 starts the next step
-    whole (its remaining 24 tokens of budget stay unused) and only the 100, longer than any step,
-    is chunked; split_prompts fills every step's 64 exactly."""
-    sim = Sim(max_prefill_tokens=64, max_num_seqs=4, split_prompts=split)
+def test_prompts_that_fit_a_step_are_not_split():
+    """Prompts of 40, 40 and 100 tokens, 64 a step. The second 40 starts the next step whole (its
+    remaining 24 tokens of budget stay unused) and only the 100, longer than any step, is chunked."""
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=4)
     for n in (40, 40, 100):
         sim.add(Arrival(0, n, 2, None))
     chunks = []
@@ -353,17 +353,14 @@ def test_prompts_that_fit_a_step_are_not_split_unless_asked(split):
         if plan.kind == "prefill":
             chunks.append([(len(r.tokens), a, b) for r, a, b in plan.chunks])
         sim.sched.complete(plan, np.zeros((len(plan.chunks), 2), np.float32), None)
-    if split:
-        assert chunks[:3] == [[(40, 0, 40), (40, 0, 24)], [(40, 24, 40), (100, 0, 48)], [(100, 48, 100)]]
-    else:
-        assert chunks[:4] == [[(40, 0, 40)], [(40, 0, 40), (100, 0, 24)], [(100, 24, 88)], [(100, 88, 100)]]
+    assert chunks[:4] == [[(40, 0, 40)], [(40, 0, 40), (100, 0, 24)], [(100, 24, 88)], [(100, 88, 100)]]
 
 
 def test_never_hangs_under_heavy_overload():
     arrivals = trace(800, 500.0, cv=8.0, adapters=64, alpha=0.5, prompt=(8, 256), output=(8, 128), seed=6,
                      slo=0.5)
     sim = Sim(pool_pages=1 + 64 + 200, adapters=sorted({a.adapter for a in arrivals}), adapter_pages=4,
-              max_num_seqs=32, max_adapters_per_batch=8, admission_order="affinity").run(arrivals)
+              max_num_seqs=32, max_loras=8, admission_order="affinity").run(arrivals)
     reasons = {r.out.finish_reason for r in sim.requests}
     assert reasons <= {"length", "abort"} and "abort" in reasons
 
@@ -477,36 +474,12 @@ def test_histogram_buckets():
     assert h.quantile(0.5) == 2.0 and h.quantile(1.0) == float("inf") and h.mean == 3.2
 
 
-def test_prefill_delay_batches_prompts_with_a_bounded_wait():
-    """prefill_delay_factor: while requests decode, new prompts wait until the last prefill step is
-    that many of its lengths in the past, so prefill steps take several prompts at once (each step
-    reads every weight once, whatever its prompt count) and the wait each prompt adds is bounded."""
-    arrivals = trace(300, 20.0, prompt=(8, 64), output=(40, 80), seed=9)
-
-    def run(factor):
-        sim = Sim(max_num_seqs=64, max_prefill_seqs=16, prefill_delay_factor=factor).run(arrivals)
-        prompts = [n for kind, n, _ in sim.batches if kind == "prefill"]
-        return sim, prompts, max(sim.ttft(r) for r in sim.requests)
-
-    now, now_prompts, now_ttft = run(0.0)
-    late, late_prompts, late_ttft = run(8.0)
-    assert sum(late_prompts) == sum(now_prompts) == len(arrivals)
-    assert not [r for r in late.requests if r.out.finish_reason != "length"]
-    assert len(late_prompts) < 0.5 * len(now_prompts), (len(late_prompts), len(now_prompts))
-    assert np.mean(late_prompts) > 2 * np.mean(now_prompts)
-    c = late.cost
-    longest_prefill = c.prefill_base + c.prefill_token * 16 * 64
-    longest_decode = c.decode_base + c.decode_seq * 64
-    assert now_ttft < late_ttft <= now_ttft + 8 * longest_prefill + longest_decode, (now_ttft, late_ttft)
-    assert late.makespan() < 1.02 * now.makespan()
-
-
 def test_mixed_steps_decode_while_a_long_prompt_is_prefilled():
     """With mixed_steps a running request keeps getting tokens while a long prompt is prefilled in
     chunks (each chunk one token shorter, for the decode token); without, it waits them out."""
     arrivals = [Arrival(0.0, 10, 40, None), Arrival(0.05, 600, 4, None)]
-    plain = Sim(max_prefill_tokens=64, max_num_seqs=4).run(arrivals)
-    mixed = Sim(max_prefill_tokens=64, max_num_seqs=4, mixed_steps=True).run(arrivals)
+    plain = Sim(max_num_batched_tokens=64, max_num_seqs=4).run(arrivals)
+    mixed = Sim(max_num_batched_tokens=64, max_num_seqs=4, mixed_steps=True).run(arrivals)
     for sim in (plain, mixed):
         assert [r.generated for r in sim.requests] == [40, 4]
         assert all(r.out.finish_reason == "length" for r in sim.requests)

@@ -20,7 +20,7 @@ import pytest
 from slora_jax.model import tp
 from slora_jax.model.peft import load_peft_adapter, random_peft_adapter
 from slora_jax.model.config import load_model_config
-from slora_jax.engine.engine import EngineOptions
+from slora_jax.config import EngineConfig
 from slora_jax.model.layout import AdapterLayout, pack_adapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,20 +69,17 @@ def test_pack_adapter_split_holds_the_same_matrices(tmp_path):
 
 
 def test_tensor_parallel_options():
-    """Clear errors: a split that does not divide the model, more devices than there are, and the
-    step forms that tensor parallel does not run."""
+    """Clear errors: a split that does not divide the model, a split size that is not a positive
+    integer, and more devices than there are."""
     from slora_jax import LLM
     with pytest.raises(ValueError, match="does not divide tiny's num_attention_heads"):
         tp.TP.make(3, CFG)  # tiny: 4 heads, 2 K/V heads
-    for bad in ({"compile_per_layer": True}, {"stable_buffers": True}, {"pack_inputs": True}):
-        with pytest.raises(ValueError, match="tensor_parallel=2"):
-            EngineOptions(tensor_parallel=2, **bad)
-    with pytest.raises(ValueError, match="positive integer"):
-        EngineOptions(tensor_parallel=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
     if jax.device_count() >= 2:
         pytest.skip("the 'needs 2 devices' errors need a one-device process")
     with pytest.raises(ValueError, match="needs 2 devices"):
-        LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel=2)  # this process has one device
+        LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel_size=2)  # this process has one device
     server = pytest.importorskip("slora_jax.serve.app", reason="the server's dependencies (fastapi) are not installed")
     with pytest.raises(ValueError, match="needs 2 devices"):  # the server's flag reaches the engine
         server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--no-warmup",
@@ -100,7 +97,7 @@ def tp_run(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_tensor_parallel_serves_as_one_device(tp_run, backend):
-    """tensor_parallel=2 on two CPU devices, overlapped steps, after a warm-up that compiled every
+    """tensor_parallel_size=2 on two CPU devices, async scheduling, after a warm-up that compiled every
     step shape the batch meets: the weights split Megatron style and
     the pool along W; a mixed batch (base rows, adapters of ranks 4-16 on attention only and on
     every module) gives one device's tokens, and logprobs within 1e-5; an adapter registered at
@@ -124,7 +121,7 @@ def test_tensor_parallel_serves_as_one_device(tp_run, backend):
 @pytest.mark.oracle
 def test_tensor_parallel_parity_with_the_oracle(oracle):
     """tests/test_parity.py (HF transformers + peft, both fixture models: MHA, and GQA with tied
-    embeddings and llama3 rope) again with tensor_parallel=2 on two CPU devices, on this session's
+    embeddings and llama3 rope) again with tensor_parallel_size=2 on two CPU devices, on this session's
     oracle outputs: every configuration but the two tensor parallel does not run."""
     from tests.conftest import _cache_key, oracle_python
     cache = oracle.root.parent.parent / "tp-oracle-cache"
@@ -133,13 +130,12 @@ def test_tensor_parallel_parity_with_the_oracle(oracle):
     if not link.exists():
         link.symlink_to(oracle.root.parent, target_is_directory=True)
     env = {**os.environ, **TWO_DEVICES, "SLORA_ORACLE_CACHE": str(cache),
-           "SLORA_TEST_LLM_OPTIONS": json.dumps({"tensor_parallel": 2})}
+           "SLORA_TEST_LLM_OPTIONS": json.dumps({"tensor_parallel_size": 2})}
     # not: the fused kernel (shrink and expand in one launch leave no place for the sum across the
     # devices: tensor parallel runs them apart), the one-trip pair (its tables are built for one
     # device's rows: tensor parallel keeps lora.py's pair), the rank-split kernel (the same) and
-    # compile_per_layer (not with tensor parallel)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "-k", "not fused_lora and not onetrip and not ranksplit and not per_layer",
+                        "-k", "not fused_lora and not onetrip and not ranksplit",
                         str(REPO / "tests" / "test_parity.py")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
@@ -162,7 +158,7 @@ out = {}
 for q in (None, "int8"):
     for tp in (1, 2):
         llm = LLM(d, adapters={"a": a}, dtype="float32", page_size=4, pool_pages=64, max_lora_rank=8,
-                  tensor_parallel=tp, quantization=q)
+                  tensor_parallel_size=tp, quantization=q)
         out[f"{q}-{tp}"] = [x.tolist() for x in llm.prompt_logits([ids, ids], adapter=[None, "a"])]
 json.dump(out, open(sys.argv[1], "w"))
 """

@@ -5,7 +5,7 @@ of its own: XLA's device count is fixed when JAX starts).
 
 For each LoRA/attention backend ("xla", "pallas": interpret mode), the tiny GQA model serves one
 mixed batch (base rows; adapters of ranks 4-16 on attention only and on every module) with
-tensor_parallel 1 and 2, steps overlapped; then, under tensor_parallel 2, an adapter registered at
+tensor_parallel_size 1 and 2, async scheduling; then, under tensor_parallel_size 2, an adapter registered at
 run time, a second batch, and the prompt logits. Writes what it saw as JSON for the test to judge.
 """
 
@@ -44,9 +44,8 @@ def main(out: str, backends: list[str]) -> None:
         runs = {}
         for tp in (1, 2):
             llm = LLM("tiny", adapters={k: paths[k] for k in ("all8", "qv4", "all16")}, dtype="float32",
-                      page_size=16, pool_pages=64, tensor_parallel=tp, lora_backend=backend,
-                      attention_backend=backend, overlap_steps=True, max_num_seqs=8, max_prefill_tokens=64,
-                      max_prefill_seqs=8)
+                      page_size=16, pool_pages=64, tensor_parallel_size=tp, lora_backend=backend,
+                      attention_backend=backend, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=64)
             run = {}
             if tp > 1:  # the warm-up compiles the split step's shapes: serving then meets no new one
                 run["warmup_shapes"] = llm.warmup(max_context=32, progress=False)

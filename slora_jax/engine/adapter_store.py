@@ -1,11 +1,11 @@
 """Host adapter store: thousands of registered adapters, loaded lazily, a bounded host cache.
 
 Registering validates the adapter in full (so a bad one fails at load time and nothing changes),
-keeps its page layout, and caches its packed rows. Only `host_cache_size` weight files keep their
+keeps its page layout, and caches its packed rows. Only `max_cpu_loras` weight files keep their
 rows in host memory; the rest are re-read from disk on demand. The cache and the layouts are keyed
 by the weight file's identity (path, inode, size, mtime, ctime), so one directory registered under
 many names is read and validated once, whatever the cache holds. `stage` starts such a re-read on
-one of `stage_workers` threads as soon as a request for the adapter arrives, so the step loop that
+one of STAGE_WORKERS threads as soon as a request for the adapter arrives, so the step loop that
 admits it later finds the rows cached instead of reading the disk itself.
 Each (re-)registration bumps a version: the pool keys pages by (name, version), so a replaced
 adapter's stale pages are never served.
@@ -64,18 +64,14 @@ def _pinned_host(x: np.ndarray):
         return x
 
 
-# Disk reads in flight at once (`stage`; EngineOptions.stage_workers): a read is mostly file I/O
-# and numpy casts, which release the GIL, so a few overlap; one alone fell behind S2's arrivals
-# with a small host cache, and 4 managed ~9 reads a second of 17-134 MB files on the H200's host
-# (bench/results/README.md, session 8), fewer than S2 asked for at 22 req/s. At 12 req/s, with a
-# host cache of 8 of 64 files, prefetch hid 81% of the disk cost (mean over requests) with 4 and
-# 88% with 8 on that 16-core host (session 9, bench/results/20261130-0e04f90/prefetch_report.json):
-# 8 where the machine has 16 cores or more, half the cores (at least 4) below that.
+# Disk reads in flight at once (`stage`): a read is mostly file I/O and numpy casts, which release
+# the GIL, so a few overlap. 8 where the machine has 16 cores or more, half the cores (at least 4)
+# below that (see bench/RESULTS.md).
 STAGE_WORKERS = min(8, max(4, (os.cpu_count() or 8) // 2))
 
 
 def host_cache_bytes(gb: float | None) -> int:
-    """EngineOptions.host_cache_gb in bytes; None: 40% of the machine's physical memory."""
+    """EngineConfig.max_cpu_lora_gb in bytes; None: 40% of the machine's physical memory."""
     if gb is not None:
         if gb <= 0:
             raise ValueError(f"host_cache_gb must be > 0, got {gb}")

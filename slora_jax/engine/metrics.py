@@ -7,8 +7,10 @@ numbers. Histograms keep Prometheus-style cumulative buckets, so an exporter map
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import math
+import time
 
 # Seconds: 1 ms .. 60 s, roughly x2.5 apart (step times, adapter loads, time to first token).
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -128,3 +130,52 @@ class EngineMetrics:
             else:
                 out[name] = m.value
         return out
+
+
+class StepCostModel:
+    """Step durations as a line in the step's token count, fitted to the observed steps with
+    exponential forgetting (one fit per step kind). Early abort asks it how long a prefill step
+    takes; a mock can pass an exact model instead."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._sums: dict[str, list[float]] = {}  # kind -> [n, x, y, xx, xy]
+
+    def observe(self, kind: str, tokens: int, seqs: int, seconds: float) -> None:
+        s = self._sums.setdefault(kind, [0.0] * 5)
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            s[i] = self.decay * s[i] + v
+
+    def predict(self, kind: str, tokens: int) -> float:
+        """Expected seconds of a `kind` step over `tokens` tokens (0 while nothing is known)."""
+        s = self._sums.get(kind)
+        if s is None:
+            return 0.0
+        n, x, y, xx, xy = s
+        mx, my = x / n, y / n
+        var = xx / n - mx * mx
+        slope = max(0.0, (xy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return max(0.0, my + slope * (tokens - mx))
+
+    def prefill_seconds(self, tokens: int) -> float:
+        return self.predict("prefill", tokens)
+
+
+class PhaseTimer:
+    """Host seconds of the step loop by phase, summed (`seconds`), and the last of each (`last`).
+    Each phase is also named in device traces (jax.profiler) as `slora.<name>`, so a trace shows
+    what the host did while the device waited; without an active trace that costs about a
+    microsecond."""
+
+    def __init__(self, phases: tuple[str, ...] = ()):
+        self.seconds: dict[str, float] = dict.fromkeys(phases, 0.0)
+        self.last: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import jax  # the scheduler imports this module and stays free of JAX
+        t = time.perf_counter()
+        with jax.profiler.TraceAnnotation(f"slora.{name}"):
+            yield
+        self.last[name] = dt = time.perf_counter() - t
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt

@@ -1,68 +1,40 @@
 """Which requests run in the next step, under the unified pool's budget (host only: no JAX).
 
-The engine drives one `Scheduler` per step, and so can a mock step with a simulated clock
-(tests/test_scheduler.py):
+One `Scheduler` drives the steps of the engine, or of a mock step with a simulated clock
+(tests/test_scheduler.py): `plan = schedule()` (early aborts, admissions, KV growth,
+preemption); the caller writes plan.loads into the pool and dispatches the step; while the device
+runs it, it fills the pages of `prefetch(plan)`; then `complete(plan, results, seconds)`.
+The engine instead calls `advance(plan)` right after the dispatch, which applies what the step
+surely does (its K/V, a PENDING token per sampling chunk), and `complete_overlapped` once the
+results are on the host, which puts the real tokens in. With async scheduling the next step is
+scheduled and dispatched in between, and requests finish one step late.
 
-    plan = sched.schedule()                 # early aborts, admissions, KV growth, preemption
-    write plan.loads into the pool; build the step's inputs; dispatch the step
-    for entry, pages in sched.prefetch():   # while the step runs on the device
-        copy the adapter's rows into its pages
-    wait for the results
-    finished = sched.complete(plan, results, seconds)
-
-With overlapped steps (EngineOptions.overlap_steps) the engine calls `advance(plan)` right after
-dispatching, which applies what the step surely does (its K/V, a PENDING token per sampling
-chunk), then schedules and dispatches the next step before it waits for this one. Its
-`complete_overlapped` then puts the real tokens in and finishes requests one step late.
-
-Policies (`SchedulerOptions`):
+Policies (fields of `EngineConfig`):
 - Admission under the pool budget. A request is admitted when the KV pages of its first prefill
-  chunk, its adapter's pages (nothing if the adapter is resident and held: each distinct adapter
-  counts once) and `kv_reserve` times the future KV growth of the running batch and itself fit in
-  the pages free or evictable now. kv_reserve=1 is S-LoRA's worst-case reservation (no
-  preemption); 0 admits on what is needed now and preempts (recompute) the newest request when
-  decode runs out of pages. With a `RegionPool` (the benchmark's memory baselines) the adapter's
-  pages must fit the adapter region and the KV pages the KV region, each on its own (`pool.budget`).
-- Order. Preempted requests first, then requests waiting longer than `max_wait_s` (oldest
-  first), then the rest: by arrival ("fcfs", S-LoRA), or ("affinity") adapters the running batch
-  already reads first (a decode step reads each distinct adapter's rows once, so these add no
-  bytes), then resident adapters, then larger adapter groups, then age. A request of the first
-  two kinds, or any request under "fcfs", that does not fit stops admission for the step, so the
-  pages and adapter slots it waits for are not taken by younger requests: the wait is bounded.
-- Prefill delay (`prefill_delay_factor` f > 0, vLLM's scheduler delay factor). While requests
-  decode, new prompts start a prefill step only once the last prefill step began f of its lengths
-  ago, or once the prompts that could be admitted fill a step's sequences. A prefill step reads
-  every weight (and, with adapters, runs every LoRA launch) once whatever its prompt count, so
-  under load fewer, fuller prefill steps leave more time to decode; a prompt waits at most about
-  f prefill steps more. Continuing chunks of a split prompt never wait. 0 (default): a prefill step
-  whenever a prompt can be admitted.
-- Clustering. At most `max_adapters_per_batch` distinct adapters in the running batch; a younger
-  request for another adapter waits, an older one (past max_wait_s) blocks admission until the
-  batch drains.
+  chunk and its adapter's pages (nothing if the adapter is resident and held: each distinct
+  adapter counts once) fit in the pages free or evictable now. When decode runs out of pages the
+  newest request is preempted and recomputed later. With a `RegionPool` (the benchmark's memory
+  baselines) adapter pages must fit the adapter region and KV pages the KV region (`pool.budget`).
+- Order. Preempted requests first, then requests waiting past `max_wait_s` (oldest first), then
+  by arrival ("fcfs", S-LoRA) or ("affinity") adapters the running batch already reads, resident
+  adapters, larger adapter groups, age. A request of the first two kinds, or any under "fcfs",
+  that does not fit stops admission for the step: its wait is bounded.
+- Clustering. At most `max_loras` distinct adapters in the running batch; a younger request for
+  another adapter waits, an older one (past max_wait_s) blocks admission until the batch drains.
 - Early abort. A queued request with a time-to-first-token objective (`SamplingParams.ttft_slo`,
-  else `ttft_slo`) is aborted at once, finish_reason "abort", when even its next possible prefill
-  (predicted by the step-cost model) would end past its deadline. The rest are served as above.
-- Prefetch. While a step runs, `prefetch` predicts the next admissions (a dry run of the same
-  admission walk) and pins their adapters in the pool (loading the cold ones, at most
-  `prefetch_adapters` a step, only from pages that the running batch's next decode growth does
-  not need). A pin protects the adapter from eviction until a request uses it or the next
-  schedule drops it.
-- Adapter versions. A waiting request binds to the adapter version registered under its name
-  when it is admitted (again after a preemption), so a re-registered adapter's stale pages,
-  prefetched or cached, never serve a request admitted after the re-registration; those pages
-  are freed once their last user is done.
-- Chunked prefill. A prompt longer than the step's token budget (`max_prefill_tokens`) is
-  prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that would fit a
-  step of its own is not split to fill what is left of a step's budget: it starts the next step
-  whole (`split_prompts=True` fills every step exactly, as S-LoRA does). A split prompt's next
-  chunk attends to its pooled context, and the packed prefill attention then reads the pooled
-  pages of every sequence in the step; steps of whole prompts have no pooled context to read. By default prefill and
-  decode never share a step (S-LoRA), so running requests get no token while prompts are
-  prefilled. With `mixed_steps`, every running request ready to decode (and whose next page
-  needs no preemption) adds its one token to the prefill step: the step's token budget is cut by
-  that many, and the packed prefill step takes them as one-token chunks with their context in
-  the pool. Off by default until the GPU benchmark shows it helps (the XLA prefill attention
-  cost grows with the number of sequences in the step).
+  else `early_abort_ttft`) is aborted at once, finish_reason "abort", when even its next possible
+  prefill (predicted by the step-cost model) would end past its deadline.
+- Prefetch. While a step runs, `prefetch` predicts the next admissions (a dry run of the
+  admission walk) and pins their adapters (loading at most `prefetch_adapters` cold ones a step,
+  from pages the next decode step does not need) until a request uses them or a schedule drops them.
+- Adapter versions. A request binds to the version registered under its name when admitted, so
+  a re-registered adapter's stale pages serve no later request; they are freed after their users.
+- Chunked prefill. A prompt longer than a step's token budget (`max_num_batched_tokens`) is
+  prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that fits a step
+  of its own is not split to fill what is left of a step's budget: it starts the next step whole.
+  Prefill and decode do not share a step (S-LoRA). With the constructor's `mixed_steps=True`,
+  every running request ready to decode adds its one token to a prefill step instead (the step's
+  token budget is cut by that many).
 """
 
 from __future__ import annotations
@@ -71,120 +43,19 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import math
 import time
 from typing import Callable
 
-from slora_jax.engine.metrics import EngineMetrics
+from slora_jax.config import EngineConfig
+from slora_jax.engine.metrics import EngineMetrics, StepCostModel
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
-from slora_jax.request import RequestOutput
-from slora_jax.sampling import SamplingParams
+from slora_jax.request import Plan, Request, RequestOutput
 
-ORDERS = ("fcfs", "affinity")
+__all__ = ["Scheduler", "Request", "Plan", "StepCostModel", "PENDING", "MAX_PREFILL_SEQS"]
+
+MAX_PREFILL_SEQS = 16  # sequences a prefill step packs at most (the prefill row bucket)
 PENDING = -1  # overlapped steps: a token sampled by a step whose results are still on the device
 LOOKAHEAD = 512  # waiting requests an admission walk considers, in service order
-
-
-@dataclasses.dataclass
-class SchedulerOptions:
-    max_num_seqs: int = 64                 # running requests
-    max_prefill_tokens: int = 2048         # tokens per prefill step (longer prompts are chunked)
-    max_prefill_seqs: int = 16             # sequences per prefill step
-    max_adapters_per_batch: int = 64       # distinct adapters in the running batch (clustering)
-    admission_order: str = "fcfs"          # "fcfs" | "affinity"
-    max_wait_s: float = 1.0                # bounded wait: older requests go first and block
-    kv_reserve: float = 0.0                # share of future KV growth reserved at admission
-    ttft_slo: float | None = None          # default TTFT objective (s); None: no early abort
-    prefetch_adapters: int = 8             # adapters copied in per step ahead of use; 0: off
-    mixed_steps: bool = False              # decode tokens ride along in prefill steps (see above)
-    min_decode_batch: int = 1              # decode steps pad their batch to at least this many rows
-    split_prompts: bool = False            # fill each prefill step's budget exactly (see above)
-    prefill_delay_factor: float = 0.0      # new prompts wait this many last-prefill-step lengths (see above)
-
-    def __post_init__(self):
-        if self.admission_order not in ORDERS:
-            raise ValueError(f"admission_order must be one of {ORDERS}, got {self.admission_order!r}")
-        for name in ("max_num_seqs", "max_prefill_tokens", "max_prefill_seqs", "max_adapters_per_batch",
-                     "min_decode_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.kv_reserve <= 1.0:
-            raise ValueError(f"kv_reserve must be in [0, 1], got {self.kv_reserve}")
-        if self.max_wait_s < 0 or self.prefetch_adapters < 0 or self.prefill_delay_factor < 0:
-            raise ValueError("max_wait_s, prefetch_adapters and prefill_delay_factor must be >= 0")
-        if self.ttft_slo is not None and self.ttft_slo <= 0:
-            raise ValueError(f"ttft_slo must be > 0 seconds or None, got {self.ttft_slo}")
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    rid: str
-    tokens: list[int]                 # prompt + generated so far
-    prompt_len: int
-    params: SamplingParams
-    seed: int
-    adapter: object | None            # AdapterEntry bound at admission (None: base model)
-    out: RequestOutput
-    stops: frozenset
-    arrival: float
-    num_computed: int = 0             # tokens whose K/V are in the pool
-    holds_adapter: bool = False       # has a reference on its adapter's pages
-    deadline: float | None = None     # arrival + TTFT objective
-    first_token_at: float | None = None
-    resumed: bool = False             # preempted after admission: goes first
-    adapter_name: str | None = dataclasses.field(init=False)  # what the request asked for
-
-    def __post_init__(self):
-        self.adapter_name = self.out.adapter if self.out.adapter is not None else \
-            self.adapter.name if self.adapter is not None else None
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-@dataclasses.dataclass
-class Plan:
-    """One step: `chunks` are (request, start, end) token ranges; all prefill or all decode."""
-    kind: str                                   # "prefill" | "decode" | "idle"
-    chunks: list[tuple[Request, int, int]]
-    loads: list[tuple[object, list[int]]]       # (adapter entry, pages) to fill before the step
-    finished: list[RequestOutput]               # aborted while scheduling
-    # Overlapped steps (`advance`): (results row, request, token index) of each PENDING token.
-    pending: list[tuple[int, "Request", int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def requests(self) -> list[Request]:
-        return [c[0] for c in self.chunks]
-
-
-class StepCostModel:
-    """Step durations as a line in the step's token count, fitted to the observed steps with
-    exponential forgetting (one fit per step kind). Early abort asks it how long a prefill step
-    takes; a mock can pass an exact model instead."""
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self._sums: dict[str, list[float]] = {}  # kind -> [n, x, y, xx, xy]
-
-    def observe(self, kind: str, tokens: int, seqs: int, seconds: float) -> None:
-        s = self._sums.setdefault(kind, [0.0] * 5)
-        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
-            s[i] = self.decay * s[i] + v
-
-    def predict(self, kind: str, tokens: int) -> float:
-        """Expected seconds of a `kind` step over `tokens` tokens (0 while nothing is known)."""
-        s = self._sums.get(kind)
-        if s is None:
-            return 0.0
-        n, x, y, xx, xy = s
-        mx, my = x / n, y / n
-        var = xx / n - mx * mx
-        slope = max(0.0, (xy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
-        return max(0.0, my + slope * (tokens - mx))
-
-    def prefill_seconds(self, tokens: int) -> float:
-        return self.predict("prefill", tokens)
 
 
 @dataclasses.dataclass
@@ -194,13 +65,17 @@ class _Prefetched:
 
 
 class Scheduler:
-    def __init__(self, pool: UnifiedPool, opts: SchedulerOptions, page_size: int,
+    """config: the EngineConfig (its scheduling fields). mixed_steps: decode tokens ride along in
+    prefill steps (see the module docstring)."""
+
+    def __init__(self, pool: UnifiedPool, config: EngineConfig, page_size: int,
                  resolve: Callable[[str], object | None], *, clock: Callable[[], float] = time.monotonic,
                  cost: StepCostModel | None = None, metrics: EngineMetrics | None = None,
-                 ready: Callable[[object], bool] | None = None):
-        self.pool, self.opts, self.ps, self.resolve, self.clock = pool, opts, page_size, resolve, clock
-        # ready(entry): False while the adapter's weights are still being read from disk (the
-        # engine's AdapterStore.ready); such a request waits while others are served.
+                 ready: Callable[[object], bool] | None = None, mixed_steps: bool = False):
+        self.pool, self.config, self.ps, self.resolve, self.clock = pool, config, page_size, resolve, clock
+        self.mixed_steps = mixed_steps
+        self.max_prefill_seqs = MAX_PREFILL_SEQS
+        # ready(entry): False while the adapter is still read from disk; its request waits
         self.ready = ready or (lambda entry: True)
         self.cost = cost or StepCostModel()
         self.metrics = metrics or EngineMetrics()
@@ -211,16 +86,12 @@ class Scheduler:
         self._loads: list[tuple[object, list[int]]] = []
         self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
         self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
-        self._last_prefill_at = -math.inf                  # when the last prefill step was scheduled
-        self._last_prefill_s = 0.0                         # and how long it took
 
     def kv_pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.ps)
 
-    # -- requests ----------------------------------------------------------------------------
-
     def add(self, req: Request) -> None:
-        slo = req.params.ttft_slo if req.params.ttft_slo is not None else self.opts.ttft_slo
+        slo = req.params.ttft_slo if req.params.ttft_slo is not None else self.config.early_abort_ttft
         req.deadline = req.arrival + slo if slo is not None else None
         self.waiting.append(req)
         self.metrics.requests_added.inc()
@@ -247,7 +118,7 @@ class Scheduler:
         self._expire_pins()
         finished = self._early_abort()
         ready = [r for r in self.running if r.num_computed == len(r.tokens) - 1 and not self._done(r)] \
-            if self.opts.mixed_steps else []
+            if self.mixed_steps else []
         chunks = self._schedule_prefill(finished, reserve=len(ready))
         kind = "prefill"
         if chunks and ready:  # mixed step: the ready requests decode in it too
@@ -333,10 +204,8 @@ class Scheduler:
         if seconds is not None:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
-            if plan.kind == "prefill":
-                self._last_prefill_s = seconds
-                if plan.loads:  # an adapter's copy and scatter ran on this step's critical path
-                    m.prefill_load_step_seconds.observe(seconds)
+            if plan.kind == "prefill" and plan.loads:  # an adapter's copy and scatter ran on this step's critical path
+                m.prefill_load_step_seconds.observe(seconds)
         adapters = len({r.adapter.key for r in plan.requests if r.adapter is not None})
         m.batch_size.observe(len(plan.chunks))
         m.batch_adapters.observe(adapters)
@@ -364,21 +233,19 @@ class Scheduler:
         m.adapter_page_share.set(ad / (ad + kv) if ad + kv else 0.0)
         m.evictions.set(pool.evictions)
 
-    # -- early abort -------------------------------------------------------------------------
-
     def _early_abort(self) -> list[RequestOutput]:
         """Abort the queued requests whose first token, were they admitted now, would come past
         their deadline. The next prefill step is predicted to hold the prompts of the queue's
         head, as many as there are free seats (within the step's token budget); a prompt over
         the budget takes several steps."""
-        o, now = self.opts, self.clock()
-        seats = max(1, min(o.max_prefill_seqs, o.max_num_seqs - len(self.running)))
+        o, now = self.config, self.clock()
+        seats = max(1, min(self.max_prefill_seqs, o.max_num_seqs - len(self.running)))
         head = sum(len(r.tokens) for r in itertools.islice(self.waiting, seats))
         finished, keep = [], []
         for req in self.waiting:
             if req.deadline is not None and req.first_token_at is None:
-                steps = -(-len(req.tokens) // o.max_prefill_tokens)
-                eta = steps * self.cost.prefill_seconds(min(max(head, len(req.tokens)), o.max_prefill_tokens))
+                steps = -(-len(req.tokens) // o.max_num_batched_tokens)
+                eta = steps * self.cost.prefill_seconds(min(max(head, len(req.tokens)), o.max_num_batched_tokens))
                 if now + eta > req.deadline:
                     slo = req.deadline - req.arrival
                     self._finish(req, "abort", f"early abort: the first token cannot come within the "
@@ -396,7 +263,7 @@ class Scheduler:
 
     def _order(self, now: float) -> list[Request]:
         """The first LOOKAHEAD waiting requests in service order (admission looks no further)."""
-        if self.opts.admission_order == "fcfs":
+        if self.config.admission_order == "fcfs":
             return list(itertools.islice(self.waiting, LOOKAHEAD))  # preempted ones are in front
         groups = collections.Counter(r.adapter_name for r in self.waiting)
         oldest: dict = {}
@@ -404,7 +271,7 @@ class Scheduler:
             oldest.setdefault(r.adapter_name, r.arrival)
         batch = {r.adapter_name for r in self.running}
         resident = {name: name is None or self._resident(name) for name in groups}
-        old = now - self.opts.max_wait_s
+        old = now - self.config.max_wait_s
 
         def key(r: Request):
             if r.resumed:
@@ -422,10 +289,7 @@ class Scheduler:
         return entry is not None and self.pool.is_resident(entry.key)
 
     def _urgent(self, req: Request, now: float) -> bool:
-        return req.resumed or now - req.arrival >= self.opts.max_wait_s
-
-    def _growth(self, req: Request, pages_now: int) -> int:
-        return max(0, self.kv_pages_for(req.prompt_len + req.params.max_tokens) - pages_now)
+        return req.resumed or now - req.arrival >= self.config.max_wait_s
 
     def _need(self, entry, end: int, claimed: set) -> tuple[int, int]:
         """(KV pages, adapter pages) that admitting a request with this adapter and first chunk
@@ -439,19 +303,17 @@ class Scheduler:
                     leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
         """Walk the queue in service order; admit what fits this step (dry: only predict it, as
         if the `leaving` requests had finished)."""
-        o, pool, now = self.opts, self.pool, self.clock()
+        o, pool, now = self.config, self.pool, self.clock()
         fcfs = o.admission_order == "fcfs"
         gone_ids = set(map(id, leaving))
         staying = [r for r in self.running if id(r) not in gone_ids]
         batch = {r.adapter.key for r in staying if r.adapter is not None}
         claimed: set = set()            # dry run: adapters already counted
         avail = pool.budget(sum(len(pool.kv.get(r.rid, ())) for r in leaving))
-        reserve = sum(self._growth(r, len(pool.kv.get(r.rid, ()))) for r in staying) \
-            if o.kv_reserve else 0
         running = len(staying)
         out, gone = [], []
         for req in self._order(now):
-            if budget <= 0 or nseqs >= o.max_prefill_seqs or running >= o.max_num_seqs:
+            if budget <= 0 or nseqs >= self.max_prefill_seqs or running >= o.max_num_seqs:
                 break
             urgent = self._urgent(req, now)
             name = req.adapter_name
@@ -465,22 +327,19 @@ class Scheduler:
             key = entry.key if entry is not None else None
             if key is not None and (staying or out) and not pool.is_resident(key) and not self.ready(entry):
                 continue  # its disk read is still running: the step goes on without it
-            if key is not None and key not in batch and len(batch) >= o.max_adapters_per_batch:
+            if key is not None and key not in batch and len(batch) >= o.max_loras:
                 if urgent:
                     break  # the batch drains until this request's adapter fits
                 continue
             end = min(len(req.tokens), budget)
-            if end < len(req.tokens) and (out or nseqs) and not o.split_prompts \
-                    and len(req.tokens) <= o.max_prefill_tokens:
+            if end < len(req.tokens) and (out or nseqs) and len(req.tokens) <= o.max_num_batched_tokens:
                 break  # a prompt that fits a step of its own starts the next one, whole
-            grow = self._growth(req, self.kv_pages_for(end)) if o.kv_reserve else 0
             kv, ad = self._need(entry, end, claimed)
-            held = math.ceil(o.kv_reserve * (reserve + grow))
-            fits = avail.fits(kv + held, ad)
+            fits = avail.fits(kv, ad)
             if not fits and not dry and (fcfs or urgent) and self.drop_pins():
                 avail = pool.budget()
                 kv, ad = self._need(entry, end, claimed)
-                fits = avail.fits(kv + held, ad)
+                fits = avail.fits(kv, ad)
             if not fits:
                 if fcfs or urgent:
                     break  # nobody younger takes the pages this request waits for
@@ -496,7 +355,6 @@ class Scheduler:
                     self.release(req)
                     break
                 avail = pool.budget()
-            reserve += grow
             if key is not None:
                 batch.add(key)
             budget -= end
@@ -515,35 +373,21 @@ class Scheduler:
     def _schedule_prefill(self, finished: list[RequestOutput], reserve: int = 0) -> list[tuple[Request, int, int]]:
         """Prefill chunks for this step; `reserve` tokens and sequences of the step's budget are
         kept for decode tokens (mixed steps)."""
-        budget = self.opts.max_prefill_tokens - reserve
+        budget = self.config.max_num_batched_tokens - reserve
         chunks = []
         stuck = False
         # Requests part-way through a chunked prefill go first.
         for req in self.running:
-            if req.num_computed < len(req.tokens) - 1 and budget > 0 and len(chunks) < self.opts.max_prefill_seqs:
+            if req.num_computed < len(req.tokens) - 1 and budget > 0 and len(chunks) < self.max_prefill_seqs:
                 end = min(len(req.tokens), req.num_computed + budget)
                 if not self.grow(req, end):
                     stuck = True
                     break
                 chunks.append((req, req.num_computed, end))
                 budget -= end - req.num_computed
-        if not stuck and self.waiting and (chunks or self._prefill_due()):
+        if not stuck and self.waiting:
             chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
-        if chunks:
-            self._last_prefill_at = self.clock()
         return chunks
-
-    def _prefill_due(self) -> bool:
-        """May new prompts start a prefill step now? Always with prefill_delay_factor 0 or nothing
-        to decode; else once the last prefill step is that many of its lengths in the past, or
-        once the prompts that could be admitted fill a step's sequences anyway."""
-        o = self.opts
-        if o.prefill_delay_factor <= 0 or not self.running:
-            return True
-        if self.clock() - self._last_prefill_at >= o.prefill_delay_factor * self._last_prefill_s:
-            return True
-        free = o.max_num_seqs - len(self.running)
-        return min(free, len(self.waiting)) >= o.max_prefill_seqs
 
     def _schedule_decode(self) -> list[Request]:
         batch = []
@@ -658,11 +502,11 @@ class Scheduler:
         pages), which the caller fills while the current step (`plan`) runs. The prediction is
         the admission walk, dry, as if the requests that `plan` surely finishes (max_tokens
         reached) had left. Pins of adapters no longer predicted are dropped."""
-        if not self.opts.prefetch_adapters:
+        if not self.config.prefetch_adapters:
             return []
         leaving = [r for r, _, end in (plan.chunks if plan else ()) if end == len(r.tokens)
                    and r.generated + 1 >= r.params.max_tokens]
-        predicted = self._admissions(self.opts.max_prefill_tokens, 0, dry=True, leaving=leaving) \
+        predicted = self._admissions(self.config.max_num_batched_tokens, 0, dry=True, leaving=leaving) \
             if self.waiting else []
         entries = list({e.key: e for _, e, _ in predicted if e is not None}.values())
         want = {e.key for e in entries}
@@ -674,12 +518,10 @@ class Scheduler:
             elif self.pool.is_idle(e.key):
                 self.pool.pin_adapter(e.key, e.layout.pages)
                 self._prefetched[e.key] = _Prefetched(e, self.steps)
-        # Keep what the running batch's next decode step (a page each) and its reserve may take.
-        headroom = len(self.running) + math.ceil(self.opts.kv_reserve * sum(
-            self._growth(r, len(self.pool.kv.get(r.rid, ()))) for r in self.running))
+        headroom = len(self.running)  # the running batch's next decode step may take a page each
         loads = []
         for e in entries:
-            if len(loads) >= self.opts.prefetch_adapters:
+            if len(loads) >= self.config.prefetch_adapters:
                 break
             if self.pool.is_resident(e.key) or self.pool.is_doomed(e.key):
                 continue
@@ -714,8 +556,6 @@ class Scheduler:
         for key in keys:
             self._unpin(key)
         return bool(keys)
-
-    # -- tokens ------------------------------------------------------------------------------
 
     def _append(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)

@@ -1,0 +1,88 @@
+"""Warm-up: compile the step shapes a server meets before the first request, with a progress bar.
+
+A step's shape is its bucket: decode steps at every batch bucket x page-table bucket, prefill
+steps at every token bucket x key window, each again with LoRA at every slot bucket on each
+module set. `warmup_shapes` lists them as null inputs (every read and write goes to the null
+page); `compile_shapes` compiles them and runs each once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from slora_jax.engine import step as paged
+from slora_jax.engine.inputs import pow2
+from slora_jax.engine.scheduler import MAX_PREFILL_SEQS
+
+
+def shape_key(inp: paged.StepInputs) -> tuple:
+    """What makes a step compile anew: its kind, its tree and its arrays' shapes."""
+    return ("decode" if inp.decode else "prefill", jax.tree_util.tree_structure(inp),
+            tuple(np.shape(x) for x in jax.tree_util.tree_leaves(inp)))
+
+
+def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> list[paged.StepInputs]:
+    """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
+    two up to max_num_seqs) times every page-table bucket up to max_context tokens (one,
+    max_model_len's, under the Pallas kernel), and prefill of fresh prompts up to
+    max_num_batched_tokens. With `lora` and adapters registered, each again with LoRA at every
+    slot bucket on each module set a step can carry. Not covered (compiled on first use): prefill
+    steps that continue a split prompt (pooled context), and mixed steps."""
+    config, build = engine.config, engine.builder
+    ctx = max_context or min(engine.max_model_len, 4096)
+    module_sets = engine.slots.module_sets() if lora else []
+    floor = build.decode_page_floor
+    shapes = []
+    s = 1
+    while s <= pow2(config.max_num_seqs):
+        p = floor
+        while p <= max(floor, pow2(engine.kv_pages_for(ctx))):
+            shapes.append(build.null(s, s, p, decode=True))
+            shapes += [build.null(s, s, p, decode=True, lora=(modules, sa))
+                       for modules in module_sets for sa in engine._slot_buckets(s, s, decode=True)]
+            p *= 2
+        s *= 2
+    # Fresh prompts (no context in the pool yet: a one-column page table) packed to n tokens in
+    # all run at pow2(n, 16) tokens x the prefill row bucket, with every key window that
+    # prompts of up to max_context tokens give.
+    s = pow2(MAX_PREFILL_SEQS)
+    for t in sorted({pow2(n, 16) for n in range(1, config.max_num_batched_tokens + 1)}):
+        for w in sorted({build.key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
+            shapes.append(build.null(t, s, 1, decode=False, key_window=w))
+            shapes += [build.null(t, s, 1, decode=False, lora=(modules, sa), key_window=w)
+                       for modules in module_sets for sa in engine._slot_buckets(min(t, s), t, decode=False)]
+    return shapes
+
+
+def compile_shapes(engine, shapes: list[paged.StepInputs], progress: bool = True, workers: int | None = None) -> int:
+    """Compile every shape, `workers` at a time (threads; default 1), with a progress bar; then
+    run each once on the null page (commit_kv compiles there). With the persistent compilation
+    cache a restart loads them instead. Returns how many. More than one worker compiles shapes
+    side by side; on a GPU, XLA autotunes its GEMMs by timing them on the device, and concurrent
+    compiles may time each other's kernels, so one is the default."""
+    def compile_one(inp):
+        if engine.tp is not None:
+            paged.forward_sample_tp.lower(engine.params, engine.kv, inp, cfg=engine.cfg, tp=engine.tp).compile()
+        else:
+            paged.forward_sample.lower(engine.params, engine.kv, inp, cfg=engine.cfg).compile()
+        kind = "decode" if inp.decode else "prefill"
+        slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
+        return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
+
+    bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers or 1)) as pool:
+        for done in concurrent.futures.as_completed([pool.submit(compile_one, inp) for inp in shapes]):
+            bar.set_postfix_str(done.result())
+            bar.update()
+    results = None
+    for inp in shapes:  # now cache hits
+        results = engine._dispatch(inp)
+        engine._shapes.add(shape_key(inp))
+    bar.close()
+    if results is not None:
+        np.asarray(results)
+    return len(shapes)
