@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 4): LoRA shrink+expand and paged decode attention, side by side.
+"""Kernel benchmark: LoRA shrink+expand and paged decode attention, side by side.
 
     python bench/kernels.py --out bench/results/kernels-h200.json          # on the GPU (~4 min)
     JAX_PLATFORMS=cpu python bench/kernels.py --quick --out /tmp/k.json     # smoke test, CPU
@@ -12,27 +12,14 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            lora_delta(backend="pallas") does): the segment-form Triton-lowered kernels,
            given the schedules built on the host (pallas_kernels.lora.block_schedule and
            shrink_schedule), as the engine passes them; the expand reads the shrink's padded xa
-           directly, as in the engine (before session 12 a slice copy of xa came between them)
+           directly, as in the engine
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
-  one-hot  slora_jax.engine.step.lora_xla: the engine's xla path, every adapter padded to max rank and a
+  one-hot  slora_jax.lora.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
   padded   vLLM-style slots: dense per-slot A [n, in, 64] and B [n, 64, out], zero past each rank,
            gathered per token (A[slot] -> bmm), in jnp
-  triton   triton_kernels.lora.lora_delta: the same segment form in Triton, through jax-triton;
-           n/a (null in the JSON) where it cannot run: no GPU, or jax-triton missing
-  fused    pallas_kernels.lora.lora_fused_apply into a zero y: shrink and expand in one launch
-           (BLOCKS["fused"]), its schedule built on the host (fused_schedule)
-  onetrip  pallas_kernels.onetrip's pair into a zero y: programs of one memory trip each, their
-           tables built on the host (shrink_plan / expand_plan) as the engine builds them; n/a
-           (null) where the pool width does not divide the module's in and out (MLP at W 4096)
-  onetrip1 pallas_kernels.onetrip.onetrip_apply into a zero y: the same programs in ONE launch, the
-           expand's gathering B and y while the shrink runs and waiting on their block's counter
-  coop     triton_kernels.lora.lora_coop_apply into a zero y: shrink and expand in one launch, the
-           programs of a token block sharing its shrink through partial planes and counters in
-           global memory (BLOCKS["coop"] there); its schedule built on the host (coop_schedule).
-           n/a where triton is
-  ranksplit triton_kernels.ranksplit into a zero y: one launch, a program per 8 rank rows of an
-           adapter doing its share of the shrink and of the expand, vector atomic adds into y; its
+  ranksplit triton_kernels.ranksplit into a zero y: one launch, a program per rank_rows rank rows of
+           an adapter doing its share of the shrink and of the expand, vector atomic adds into y; its
            table built on the host (plan); settings by --lora-blocks '{"ranksplit": {...}}'. n/a
            without jax-triton or where a row is not a power-of-two count of chunks (MLP at W 4096)
 
@@ -44,21 +31,21 @@ calls unrolled in one jit so Python dispatch does not count; time = median over 
 iterations of (wall time of `reps` back-to-back calls, block_until_ready) / (reps * K).
 At small cases the host's dispatch of those jitted calls still outlasts the device's work (on the
 H200 a plain copy of 64 tokens x 32 adapters' 18 MB shows 48% of copy bandwidth on the wall clock
-and 93% on the device, session 12), so `--device-time` also traces one round of the timed calls
+and 93% on the device), so `--device-time` also traces one round of the timed calls
 and reports the kernels' own busy time per call (JSON "device"; printed under each case and on
 the targets line): the measure of a kernel's achieved bandwidth where the two differ.
 
 Bytes that must move, per call: x read once; each distinct adapter's real-rank A [r, in] and B [r,
 out] read once; y ([T, out], `--y-dtype`) written once and read once by expand. y is float32 by
-default (a delta buffer, the form of every run before session 19); `--y-dtype bfloat16` is the
+default (a delta buffer); `--y-dtype bfloat16` is the
 engine's form, in which the expand adds into the bf16 output of the base projection in place (and
-the kernel holds y in bf16 registers through its rank loop: session 19 found the float32 y costs
-the expand ~30 more registers a thread, 94 against the engine's 64). Achieved bandwidth =
+the kernel holds y in bf16 registers through its rank loop: a float32 y costs the expand ~30 more
+registers a thread). Achieved bandwidth =
 bytes / time, reported as a fraction of the copy bandwidth (bench/engine_bench.copy_bandwidth: an
 elementwise a*1.0001 over 2 GiB, read + write). Every variant's output is checked against the xla
 reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2); the error is in the
 JSON, and a "!" marks a failed check in the table. A case's "speedup" is each other variant's time
-over pallas' (speedup["triton"] > 1: pallas is faster than triton).
+over pallas' (speedup["onehot"] > 1: pallas is faster than one-hot).
 
 `--read-floor` also times bench/read_floor.py on each case's rows: the A^T and B rows gathered and
 summed, nothing else, in one launch and in two (A, then B): what any pair that reads them from the
@@ -70,12 +57,13 @@ d 128) and MHA (llama-7b: 32/32); the Pallas kernel against paged_decode_attenti
 Bytes = the valid KV (B*ctx*2*W*2) + q + out.
 
 The table comes last (the device call returns only the tail of the output); the JSON has everything,
-with commit, device and command. Issue 4's targets are printed PASS / FAIL / n.a.
+with commit, device and command. The targets (TARGETS) are printed PASS / FAIL / n.a.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -97,23 +85,35 @@ from bench.engine_bench import copy_bandwidth  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from bench import read_floor as rf  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
-from pallas_kernels import onetrip  # noqa: E402
 from pallas_kernels.lora import lora_delta  # noqa: E402
 from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
                                             paged_decode_attention_reference)
 from slora_jax.engine.step import lora_xla  # noqa: E402
-from triton_kernels import lora as triton_lora  # noqa: E402 (imports jax-triton lazily)
-from triton_kernels import ranksplit  # noqa: E402
+from triton_kernels import ranksplit  # noqa: E402 (imports jax-triton lazily)
 
 L2_BYTES = 50 << 20          # H200 L2
 ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
 MAX_SETS = 12
 TOL = 2e-2                   # max |variant - xla reference| / max |reference|, bf16
-VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused", "coop", "onetrip", "onetrip1", "ranksplit")
-LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded",
-          "triton": "triton", "fused": "fused", "coop": "coop", "onetrip": "onetrip",
-          "onetrip1": "onetrip-1", "ranksplit": "ranksplit"}
-OURS = ("pallas", "onetrip", "onetrip1", "ranksplit")  # the LoRA variants the bandwidth target judges (the better one)
+VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "ranksplit")
+LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded", "ranksplit": "ranksplit"}
+OURS = ("pallas", "ranksplit")  # the LoRA variants the bandwidth target judges (the better one)
+# The kernels' settings for this run: this device's tuned ones, with --lora-blocks over them (main)
+SETTINGS: dict = {}
+
+
+def kernel_settings(over: str | None = None, device_kind: str | None = None) -> dict:
+    """{"shrink", "expand", "ranksplit"}: the device's tuned settings (block_sizes.get_default),
+    each kernel's entries of `over` (JSON text, by kernel) replacing those."""
+    from pallas_kernels.block_sizes import from_dict
+    classes = {"shrink": lora_kernels.ShrinkBlockSizes, "expand": lora_kernels.ExpandBlockSizes,
+               "ranksplit": ranksplit.RanksplitBlockSizes}
+    out = {k: c.get_default(device_kind) for k, c in classes.items()}
+    for kind, values in (json.loads(over) if over else {}).items():
+        if kind not in classes:
+            raise ValueError(f"unknown kernel {kind!r}; one of {sorted(classes)}")
+        out[kind] = from_dict(classes[kind], {**dataclasses.asdict(out[kind]), **values})
+    return out
 TARGETS = {"lora_bw": 0.60, "vs_padded": 2.0, "attn_bw": 0.70}
 
 FULL = dict(hidden=4096, width=4096, inter=11008, tokens=(64, 256), adapters=(1, 8, 32, 64),
@@ -283,8 +283,8 @@ class LoraPool:
         c = len(self.cycle)
         per = -(-n // c)
         out = []
-        bt = lora_kernels.decode_block_t("pallas")
-        shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", self.width, self.fin)
+        bt = lora_kernels.BLOCK_T  # the engine's decode expand; its shrink at 1 where gemv_shrink holds
+        shrink_bt = 1 if lora_kernels.gemv_shrink(self.width, self.fin, SETTINGS["shrink"]) else bt
         seg = np.arange(n + 1, dtype=np.int32) * (t // n)  # every set: n slots of t // n tokens
 
         def dev(schedule):
@@ -298,26 +298,16 @@ class LoraPool:
                 "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
                 "ranks": jnp.asarray(ranks),
                 "seg": jnp.asarray(seg),
-                # the kernels' block schedule, built on the host as the engine builds it (the
-                # Pallas pair's at the engine's decode block_t, each kernel's: 1 where
-                # BLOCKS["mbgmv"] has it)
-                "schedule": dev(lora_kernels.block_schedule(ranks, seg, t)),
-                "shrink_schedule": dev(lora_kernels.shrink_schedule(ranks, seg, t, shrink_bt, max_rank=self.max_rank)),
-                "fused_schedule": dev(lora_kernels.fused_schedule(ranks, seg, t, max_rank=self.max_rank)),
-                "coop_schedule": dev(triton_lora.coop_schedule(ranks, seg, t, max_rank=self.max_rank, fout=self.fout,
-                                                               width=self.width)),
+                # the kernels' block schedules, built on the host as the engine builds them
+                "schedule": dev(lora_kernels.block_schedule(ranks, seg, t, bt)),
+                "shrink_schedule": dev(lora_kernels.shrink_schedule(ranks, seg, t, shrink_bt, max_rank=self.max_rank,
+                                                                    rank_tile=SETTINGS["shrink"].rank_tile)),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
-            if onetrip.applies(self.width, self.fin) and onetrip.applies(self.width, self.fout):
-                kw = dict(width=self.width, max_rank=self.max_rank)
-                out[-1]["onetrip_plans"] = (
-                    dev(onetrip.shrink_plan(ranks[None], self.a_idx[m][None], seg, t, fin=self.fin, **kw)),
-                    dev(onetrip.expand_plan(ranks, self.b_idx[m], seg, t, fout=self.fout, **kw)))
-            if ranksplit.applies(self.width, self.fin, self.fout):  # its table, on the host as onetrip's
-                out[-1]["ranksplit_table"] = dev(ranksplit.plan(ranks, self.a_idx[m], self.b_idx[m], seg, t, fin=self.fin,
-                                                                fout=self.fout, width=self.width, max_rank=self.max_rank))
-            out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else \
-                dev(lora_kernels.block_schedule(ranks, seg, t, bt))
+            if ranksplit.applies(self.width, self.fin, self.fout):  # its table, on the host as the engine's
+                out[-1]["ranksplit_table"] = dev(ranksplit.plan(
+                    ranks, self.a_idx[m], self.b_idx[m], seg, t, fin=self.fin, fout=self.fout, width=self.width,
+                    max_rank=self.max_rank, block_sizes=SETTINGS["ranksplit"]))
         return out
 
 
@@ -424,8 +414,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     interp = opts["interpret"]
     kw = dict(max_rank=rmax, fin=fin, fout=fout)
     # the Pallas pair's, as pool.sets built its schedules
-    block_t = lora_kernels.decode_block_t("pallas")
-    shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", pool.width, fin)
+    block_t = lora_kernels.BLOCK_T
+    shrink_bt = 1 if lora_kernels.gemv_shrink(pool.width, fin, SETTINGS["shrink"]) else block_t
 
     def args(s):
         return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
@@ -435,8 +425,9 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
         # y in ydt, the kernel's output dtype (bfloat16: the engine's form, which adds into the
         # base projection's bf16 output in place; float32: a delta buffer)
         return lora_kernels.lora_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg, interpret=interp,
-                                       schedule=s["pallas_schedule"], shrink_schedule=s["shrink_schedule"],
-                                       block_t=block_t, shrink_block_t=shrink_bt, **kw)
+                                       schedule=s["schedule"], shrink_schedule=s["shrink_schedule"],
+                                       block_t=block_t, shrink_block_t=shrink_bt, shrink_sizes=SETTINGS["shrink"],
+                                       expand_sizes=SETTINGS["expand"], **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
@@ -460,39 +451,11 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
                 padded_sets.append({"x": s["x"], "A": a, "B": b, "tok": s["tok"]})
         return padded_sets
 
-    def triton(rows, s):
-        x, a, b, r, seg = args(s)
-        return triton_lora.lora_delta(x, rows, a, b, r, seg, schedule=s["schedule"], **kw).astype(ydt)
-
-    def fused(rows, s):
-        x, a, b, r, seg = args(s)
-        return lora_kernels.lora_fused_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
-                                             max_rank=rmax, fin=fin, fout=fout, interpret=interp,
-                                             schedule=s["fused_schedule"])
-
-    def coop(rows, s):
-        x, a, b, r, seg = args(s)
-        return triton_lora.lora_coop_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
-                                           schedule=s["coop_schedule"], **kw)
-
-    def onetrip_pair(rows, s):
-        sp, ep = s["onetrip_plans"]
-        xa = onetrip.onetrip_shrink(s["x"], rows, sp, n_modules=1, max_rank=rmax, interpret=interp)
-        return onetrip.onetrip_expand(jnp.zeros((t, fout), ydt), xa, rows, ep, interpret=interp)
-
-    def onetrip_one(rows, s):
-        sp, ep = s["onetrip_plans"]
-        return onetrip.onetrip_apply(jnp.zeros((t, fout), ydt), s["x"], rows, sp, ep, max_rank=rmax, interpret=interp)
-
     def rank_split(rows, s):
         return ranksplit.ranksplit_apply(jnp.zeros((t, fout), ydt), s["x"], rows, s["ranksplit_table"], fin=fin, fout=fout,
-                                         slots=n)
+                                         slots=n, block_sizes=SETTINGS["ranksplit"])
 
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
-                "triton": triton if opts["triton"] else None, "fused": fused,
-                "coop": coop if opts["triton"] else None,
-                "onetrip": onetrip_pair if "onetrip_plans" in sets[0] else None,
-                "onetrip1": onetrip_one if "onetrip_plans" in sets[0] else None,  # None: reported as n/a
                 "ranksplit": rank_split if opts["triton"] and "ranksplit_table" in sets[0]
                 and ranksplit.applies(pool.width, fin, fout, ydt) else None}
     if opts.get("lora_variants"):  # a sweep times only the named ones (the reference always runs)
@@ -507,8 +470,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
            "ranks": sorted(set(ranks)), "mixed_ranks": len(set(ranks)) > 1, "max_rank": rmax,
            "width": pool.width, "pool_rows": pool.n_rows, "bytes": by, "sets": k_sets,
            "set_bytes": set_bytes, "sets_exceed_l2": k_sets * set_bytes > L2_BYTES,
-           "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, 256),
-                                lora_kernels._col_tile(pool.width, fout, 128)) >= 16,
+           "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, SETTINGS["shrink"].col_tile),
+                                lora_kernels._col_tile(pool.width, fout, SETTINGS["expand"].col_tile)) >= 16,
            "variants": {v: res[v] for v in VARIANTS}, "same_bytes_copy": same, "read_floor": floor}
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
@@ -580,8 +543,8 @@ def targets(result: dict, o) -> list[dict]:
     cases = [c for c in result["lora"] if c["tokens"] == tt and c["adapters"] == ta]
     # Judged on the kernels' device time where it was traced (--device-time): at these sizes the
     # wall clock measures the host's dispatch of the timed calls more than the kernels. Our
-    # kernels: the better of the Pallas pairs (lora.py's and, where it applies, onetrip's) that
-    # passed the check against the reference.
+    # kernels: the better of the Pallas pair and, where it applies, the rank-split kernel, of those
+    # that passed the check against the reference.
     on_device = bool(cases) and all((c["variants"]["pallas"] or {}).get("device", {}).get("frac_copy")
                                     for c in cases)
 
@@ -666,7 +629,7 @@ def table(result: dict) -> str:
                      "per call, bytes/time as % of copy bw (! = wrong vs xla-ref)")
         head = (f"{'module':<8}{'T':>4}{'n':>4}{'MB':>7} |" +
                 "|".join(f"{LABELS[v]:>15}" for v in VARIANTS[:4]) +
-                f"| {'triton':<17} | {'fused':<15} | {'coop':<15} | {'onetrip':<15} | {'onetrip-1':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} "
+                f"| {'ranksplit':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} "
                 f"| {'max err':>7}")
         lines.append(head)
         lines.append("-" * len(head))
@@ -682,7 +645,7 @@ def table(result: dict) -> str:
                 f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
                 f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
                 "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
-                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {_cell(v.get('coop'))} | {_cell(v.get('onetrip'))} | {_cell(v.get('onetrip1'))} | {gbps} "
+                f"| {_cell(v.get('ranksplit'))} | {gbps} "
                 f"{_x(c['speedup']['padded']):>6} "
                 f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
         if result.get("lora_skipped"):
@@ -715,7 +678,7 @@ def table(result: dict) -> str:
                                  f"{x['error'][:200]}")
         if result.get("attention_skipped"):
             lines.append(f"skipped (time budget): {', '.join(result['attention_skipped'])}")
-    lines.append("Targets (issue 4):")
+    lines.append("Targets:")
     for t in result["targets"]:
         if "values" in t:
             detail = ", ".join(f"{k} {_pct(f)}" for k, f in t["values"].items()) or "no case"
@@ -767,8 +730,8 @@ def main() -> None:
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: attention,lora")
     ap.add_argument("--lora-blocks", default=None,
-                    help='JSON merged into pallas_kernels.lora.BLOCKS before any trace, e.g. '
-                         '\'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
+                    help='JSON of kernel settings over this device\'s defaults, by kernel ("shrink", "expand", '
+                         '"ranksplit"), e.g. \'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each variant's calls once and report the device's kernel time per call "
                          "(JSON \"device\"; the table's wall-clock times include host dispatch and launch gaps)")
@@ -782,18 +745,10 @@ def main() -> None:
                     help="also time bench/read_floor.py on each LoRA case's rows: gathering them and nothing else, "
                          "in one launch and in two (JSON \"read_floor\"; the targets line's floor)")
     args = ap.parse_args()
-    if args.lora_blocks:
-        for kind, over in json.loads(args.lora_blocks).items():
-            if kind == "ranksplit":  # triton_kernels/ranksplit.py's settings
-                try:
-                    ranksplit.set_blocks({kind: over})
-                except ValueError as e:
-                    raise SystemExit(f"--lora-blocks: {e}") from None
-                continue
-            if kind not in lora_kernels.BLOCKS or not set(over) <= set(lora_kernels.BLOCKS[kind]):
-                raise SystemExit(f"--lora-blocks: unknown {kind} or key in {over}; "
-                                 f"BLOCKS = {lora_kernels.BLOCKS}")
-            lora_kernels.BLOCKS[kind] = {**lora_kernels.BLOCKS[kind], **over}
+    try:
+        SETTINGS.update(kernel_settings(args.lora_blocks))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--lora-blocks: {e}") from None
     o = dict(QUICK if args.quick else FULL)
     o["tokens"] = _ints(args.tokens, o["tokens"])
     o["adapters"] = _ints(args.adapters, o["adapters"])
@@ -811,7 +766,7 @@ def main() -> None:
     if set(o["lora_variants"]) - set(VARIANTS):
         raise SystemExit(f"--lora-variants: unknown {sorted(set(o['lora_variants']) - set(VARIANTS))}; known {VARIANTS}")
     o["interpret"] = dev.platform == "cpu"
-    triton_unavailable = triton_lora.unavailable_reason()
+    triton_unavailable = ranksplit.unavailable_reason()
     o["triton"] = triton_unavailable is None
     t_start = time.perf_counter()
 
@@ -824,12 +779,13 @@ def main() -> None:
               "mode": "quick" if args.quick else "full", "dtype": "bfloat16",
               "interpret": o["interpret"],
               "triton_unavailable": triton_unavailable,
-              "triton_block": dict(triton_lora.BLOCKS),
+              "ranksplit_block": dataclasses.asdict(SETTINGS["ranksplit"]),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
-              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas"),
-                                 shrink_block_t=lora_kernels.decode_block_t("pallas", "shrink", o["width"],
-                                                                            o["hidden"])),
+              "lora_block": {"shrink": dataclasses.asdict(SETTINGS["shrink"]),
+                             "expand": dataclasses.asdict(SETTINGS["expand"]), "block_t": lora_kernels.BLOCK_T,
+                             "shrink_block_t": 1 if lora_kernels.gemv_shrink(o["width"], o["hidden"],
+                                                                             SETTINGS["shrink"]) else lora_kernels.BLOCK_T},
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():
