@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from slora_jax import lora
-from slora_jax.lora import select
+from slora_jax.lora import selection
 
 # (decode, slots, max_rank, platform, ranksplit_ok) -> backend
 SELECT = [
@@ -35,9 +35,9 @@ def test_select(decode, slots, max_rank, platform, ok, want):
 
 def test_select_without_jax_triton_takes_the_pair(monkeypatch):
     """ranksplit_ok None: where jax-triton imports (never on this CPU), else the pair."""
-    monkeypatch.setattr(select, "ranksplit_unavailable", lambda: "needs jax-triton")
+    monkeypatch.setattr(selection, "ranksplit_unavailable", lambda: "needs jax-triton")
     assert lora.select(True, 32, 64, 64, "gpu") == "pallas"
-    monkeypatch.setattr(select, "ranksplit_unavailable", lambda: None)
+    monkeypatch.setattr(selection, "ranksplit_unavailable", lambda: None)
     assert lora.select(True, 32, 64, 64, "gpu") == "ranksplit"
 
 
@@ -63,7 +63,7 @@ STEP = [
 
 @pytest.mark.parametrize("option,decode,slots,platform,sharded,want", STEP)
 def test_step_backend(option, decode, slots, platform, sharded, want, monkeypatch):
-    monkeypatch.setattr(select, "ranksplit_unavailable", lambda: None)
+    monkeypatch.setattr(selection, "ranksplit_unavailable", lambda: None)
     assert lora.step_backend(option, decode, slots, 64, 64, platform, sharded=sharded) == want
 
 
@@ -111,7 +111,7 @@ def _step(n_slots=4, t=8):
         ra, rb = (lora.rows_needed(16, f, cfg.kv_size) for f in (fin, fout))
         rows[m] = (rng.integers(1, 50, (n_slots, ra)).astype(np.int32), rng.integers(1, 50, (n_slots, rb)).astype(np.int32))
         ranks[m] = np.array([8, 4] + [0] * (n_slots - 2), np.int32)
-    seg = np.array([0, 3, 5] + [5] * (n_slots - 1), np.int32)
+    seg = np.array([0, 3, 5] + [5] * (n_slots - 2), np.int32)
     token_slot = np.array([0, 0, 0, 1, 1] + [-1] * (t - 5), np.int32)
     return cfg, dict(t=t, token_slot=token_slot, seg_starts=seg, rows=rows, ranks=ranks, cfg=cfg, max_rank=16,
                      dtype=np.float32)

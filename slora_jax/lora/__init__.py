@@ -4,7 +4,7 @@ selection. The engine reaches the kernels only through these names."""
 from slora_jax.lora.backends import (BACKENDS, LoraBackend, PallasBackend, RanksplitBackend, XlaBackend,
                                      get_backend, plan, pool_lora, ranksplit_tables)
 from slora_jax.lora.inputs import QKV, LoraInputs, qkv_group, rows_needed, shrink_launches, stack_qkv
-from slora_jax.lora.select import (GPU_THRESHOLDS, check_backend, hybrid_slots, select, slot_bucket,
+from slora_jax.lora.selection import (GPU_THRESHOLDS, check_backend, hybrid_slots, select, slot_bucket,
                                    step_backend)
 from slora_jax.lora.xla import lora_xla, lora_xla_expand, lora_xla_shrink
 
