@@ -1309,40 +1309,6 @@ def test_adapter_status_for_routers(paths):
     assert_drained(engine)
 
 
-def test_prefill_lora_block_t(paths, monkeypatch):
-    """EngineOptions.prefill_lora_block_t: prefill steps run the LoRA kernels with blocks of that
-    many tokens (schedules built to match), decode steps with 16; prompts of 33-70 tokens span
-    several blocks of 32 per adapter, and the tokens are the reference's."""
-    from slora_jax.engine import step as paged
-    from slora_jax.engine.engine import EngineOptions
-    for bad in (8, 48, True):
-        with pytest.raises(ValueError, match="prefill_lora_block_t"):
-            EngineOptions(prefill_lora_block_t=bad)
-    engine = make_llm(paths, page_size=16, pool_pages=BIG * 2, lora_backend="xla", prefill_lora_backend="pallas",
-                      prefill_lora_block_t=32)
-    seen, step = set(), paged.step
-
-    def spy(params, pool, inp, **kw):
-        if inp.lora is not None:
-            seen.add((inp.decode, inp.lora.block_t))
-            if inp.lora.schedules:
-                sched, _ = next(iter(inp.lora.schedules.values()))
-                t, sa = inp.lora.token_slot.shape[0], len(inp.lora.seg_starts) - 1
-                assert sched.shape == (3, max(1, (t + sa * (inp.lora.block_t - 1)) // inp.lora.block_t))
-        return step(params, pool, inp, **kw)
-    monkeypatch.setattr(paged, "step", spy)
-    rng = np.random.default_rng(11)
-    names = ["a", "b", "c", "d"]
-    prompts = [[int(t) for t in rng.integers(3, CFG.vocab_size, n)] for n in rng.integers(33, 71, 4)]
-    outs = engine.generate(prompts, SP, adapter=names)
-    loaded = {n: load_peft_adapter(paths[n], CFG) for n in names}
-    want = ReferenceEngine(CFG, engine.params, "float32").generate(
-        prompts, [SP] * 4, [0] * 4, [loaded[n] for n in names], CFG.eos_token_ids)
-    assert_same(outs, want)
-    assert seen == {(False, 32), (True, 16)}, seen
-    assert_drained(engine)
-
-
 def test_step_temporaries_do_not_grow_with_the_pool(paths):
     """A step reads its pages where they lie: the compiled step's temporaries stay the same when
     the pool grows 8x (a copy of a pool layer, reshaped for a kernel or gathered whole, would grow
