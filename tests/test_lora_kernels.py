@@ -465,8 +465,8 @@ def test_grouped_apply_matches_each_module(split_k):
 def test_max_rank_below_a_rank_tile_without_split_k(grouped):
     """A max rank below one rank tile (S1's rank-8 adapters) where the shrink does not split K
     (prefill calls past split_k_max_tokens): the expand's rank-tile slice of xa must stay inside
-    xa. Once it ran past a grouped xa's last module (start 16, size 16, width 24) and the Triton
-    lowering refused the trace; lora_shrink's own xa ([T, max_rank]) is narrower still."""
+    xa (past a grouped xa's last module, start 16, size 16, width 24, the Triton lowering refuses
+    the trace); lora_shrink's own xa ([T, max_rank]) is narrower still."""
     k1 = lora.ShrinkBlockSizes(split_k=1)
     if True:
         cases = [Case(ranks=r, lens=(1, 5, 0, 13, 9, 3)) for r in [(8, 1, 4, 8, 2, 0), (0, 8, 8, 3, 1, 0),
