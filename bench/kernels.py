@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 4): LoRA shrink+expand and paged decode attention, side by side.
+"""Kernel benchmark: LoRA shrink+expand and paged decode attention, side by side.
 
     python bench/kernels.py --out bench/results/kernels-h200.json          # on the GPU (~4 min)
     JAX_PLATFORMS=cpu python bench/kernels.py --quick --out /tmp/k.json     # smoke test, CPU
@@ -12,27 +12,14 @@ T/n tokens each, grouped by adapter as the engine groups them; slot s has rank R
            lora_delta(backend="pallas") does): the segment-form Triton-lowered kernels,
            given the schedules built on the host (pallas_kernels.lora.block_schedule and
            shrink_schedule), as the engine passes them; the expand reads the shrink's padded xa
-           directly, as in the engine (before session 12 a slice copy of xa came between them)
+           directly, as in the engine
   xla-ref  lora_delta(backend="xla"): the jnp reference beside the kernels
-  one-hot  slora_jax.engine.step.lora_xla: the engine's xla path, every adapter padded to max rank and a
+  one-hot  slora_jax.lora.lora_xla: the engine's xla path, every adapter padded to max rank and a
            one-hot over slots per token (the sglang-jax / vLLM-TPU style einsum)
   padded   vLLM-style slots: dense per-slot A [n, in, 64] and B [n, 64, out], zero past each rank,
            gathered per token (A[slot] -> bmm), in jnp
-  triton   triton_kernels.lora.lora_delta: the same segment form in Triton, through jax-triton;
-           n/a (null in the JSON) where it cannot run: no GPU, or jax-triton missing
-  fused    pallas_kernels.lora.lora_fused_apply into a zero y: shrink and expand in one launch
-           (BLOCKS["fused"]), its schedule built on the host (fused_schedule)
-  onetrip  pallas_kernels.onetrip's pair into a zero y: programs of one memory trip each, their
-           tables built on the host (shrink_plan / expand_plan) as the engine builds them; n/a
-           (null) where the pool width does not divide the module's in and out (MLP at W 4096)
-  onetrip1 pallas_kernels.onetrip.onetrip_apply into a zero y: the same programs in ONE launch, the
-           expand's gathering B and y while the shrink runs and waiting on their block's counter
-  coop     triton_kernels.lora.lora_coop_apply into a zero y: shrink and expand in one launch, the
-           programs of a token block sharing its shrink through partial planes and counters in
-           global memory (BLOCKS["coop"] there); its schedule built on the host (coop_schedule).
-           n/a where triton is
-  ranksplit triton_kernels.ranksplit into a zero y: one launch, a program per 8 rank rows of an
-           adapter doing its share of the shrink and of the expand, vector atomic adds into y; its
+  ranksplit triton_kernels.ranksplit into a zero y: one launch, a program per rank_rows rank rows of
+           an adapter doing its share of the shrink and of the expand, vector atomic adds into y; its
            table built on the host (plan); settings by --lora-blocks '{"ranksplit": {...}}'. n/a
            without jax-triton or where a row is not a power-of-two count of chunks (MLP at W 4096)
 
@@ -44,21 +31,21 @@ calls unrolled in one jit so Python dispatch does not count; time = median over 
 iterations of (wall time of `reps` back-to-back calls, block_until_ready) / (reps * K).
 At small cases the host's dispatch of those jitted calls still outlasts the device's work (on the
 H200 a plain copy of 64 tokens x 32 adapters' 18 MB shows 48% of copy bandwidth on the wall clock
-and 93% on the device, session 12), so `--device-time` also traces one round of the timed calls
+and 93% on the device), so `--device-time` also traces one round of the timed calls
 and reports the kernels' own busy time per call (JSON "device"; printed under each case and on
 the targets line): the measure of a kernel's achieved bandwidth where the two differ.
 
 Bytes that must move, per call: x read once; each distinct adapter's real-rank A [r, in] and B [r,
 out] read once; y ([T, out], `--y-dtype`) written once and read once by expand. y is float32 by
-default (a delta buffer, the form of every run before session 19); `--y-dtype bfloat16` is the
+default (a delta buffer); `--y-dtype bfloat16` is the
 engine's form, in which the expand adds into the bf16 output of the base projection in place (and
-the kernel holds y in bf16 registers through its rank loop: session 19 found the float32 y costs
-the expand ~30 more registers a thread, 94 against the engine's 64). Achieved bandwidth =
+the kernel holds y in bf16 registers through its rank loop: a float32 y costs the expand ~30 more
+registers a thread). Achieved bandwidth =
 bytes / time, reported as a fraction of the copy bandwidth (bench/engine_bench.copy_bandwidth: an
 elementwise a*1.0001 over 2 GiB, read + write). Every variant's output is checked against the xla
 reference on the same inputs before it is timed (max |diff| / max |ref| < 2e-2); the error is in the
 JSON, and a "!" marks a failed check in the table. A case's "speedup" is each other variant's time
-over pallas' (speedup["triton"] > 1: pallas is faster than triton).
+over pallas' (speedup["onehot"] > 1: pallas is faster than one-hot).
 
 `--read-floor` also times bench/read_floor.py on each case's rows: the A^T and B rows gathered and
 summed, nothing else, in one launch and in two (A, then B): what any pair that reads them from the
@@ -70,18 +57,18 @@ d 128) and MHA (llama-7b: 32/32); the Pallas kernel against paged_decode_attenti
 Bytes = the valid KV (B*ctx*2*W*2) + q + out.
 
 The table comes last (the device call returns only the tail of the output); the JSON has everything,
-with commit, device and command. Issue 4's targets are printed PASS / FAIL / n.a.
+with commit, device and command. The targets (TARGETS) are printed PASS / FAIL / n.a.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,29 +79,38 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.device_trace import busy_span, traced  # noqa: E402
 from bench.engine_bench import copy_bandwidth  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from bench import read_floor as rf  # noqa: E402
+from bench.kernels_timing import TOL, _add_fracs, _err, measure, run_variant  # noqa: E402
+from bench.kernels_report import (FLOOR_FORMS, LABELS, OURS, VARIANTS, _cell, _floor_cell,  # noqa: E402
+                                  _pct, table, targets)
 from pallas_kernels import lora as lora_kernels  # noqa: E402
-from pallas_kernels import onetrip  # noqa: E402
 from pallas_kernels.lora import lora_delta  # noqa: E402
 from pallas_kernels.paged_attention import (MIN_DOT, paged_decode_attention,  # noqa: E402
                                             paged_decode_attention_reference)
-from slora_jax.engine.step import lora_xla  # noqa: E402
-from triton_kernels import lora as triton_lora  # noqa: E402 (imports jax-triton lazily)
-from triton_kernels import ranksplit  # noqa: E402
+from slora_jax.lora import lora_xla  # noqa: E402
+from triton_kernels import ranksplit  # noqa: E402 (imports jax-triton lazily)
 
 L2_BYTES = 50 << 20          # H200 L2
 ROTATE_BYTES = 128 << 20     # rotate input sets until K * set bytes reach this (at most MAX_SETS)
 MAX_SETS = 12
-TOL = 2e-2                   # max |variant - xla reference| / max |reference|, bf16
-VARIANTS = ("pallas", "xla_ref", "onehot", "padded", "triton", "fused", "coop", "onetrip", "onetrip1", "ranksplit")
-LABELS = {"pallas": "pallas", "xla_ref": "xla-ref", "onehot": "one-hot", "padded": "padded",
-          "triton": "triton", "fused": "fused", "coop": "coop", "onetrip": "onetrip",
-          "onetrip1": "onetrip-1", "ranksplit": "ranksplit"}
-OURS = ("pallas", "onetrip", "onetrip1", "ranksplit")  # the LoRA variants the bandwidth target judges (the better one)
-TARGETS = {"lora_bw": 0.60, "vs_padded": 2.0, "attn_bw": 0.70}
+# The kernels' settings for this run: this device's tuned ones, with --lora-blocks over them (main)
+SETTINGS: dict = {}
+
+
+def kernel_settings(over: str | None = None, device_kind: str | None = None) -> dict:
+    """{"shrink", "expand", "ranksplit"}: the device's tuned settings (block_sizes.get_default),
+    each kernel's entries of `over` (JSON text, by kernel) replacing those."""
+    from pallas_kernels.block_sizes import from_dict
+    classes = {"shrink": lora_kernels.ShrinkBlockSizes, "expand": lora_kernels.ExpandBlockSizes,
+               "ranksplit": ranksplit.RanksplitBlockSizes}
+    out = {k: c.get_default(device_kind) for k, c in classes.items()}
+    for kind, values in (json.loads(over) if over else {}).items():
+        if kind not in classes:
+            raise ValueError(f"unknown kernel {kind!r}; one of {sorted(classes)}")
+        out[kind] = from_dict(classes[kind], {**dataclasses.asdict(out[kind]), **values})
+    return out
 
 FULL = dict(hidden=4096, width=4096, inter=11008, tokens=(64, 256), adapters=(1, 8, 32, 64),
             ranks=(8, 16, 32, 64), max_rank=64, per_class=64, min_pool_rows=32768, iters=20,
@@ -130,105 +126,6 @@ QUICK = dict(hidden=64, width=32, inter=160, tokens=(8,), adapters=(1, 2), ranks
 
 # ---------------------------------------------------------------------------------------------
 # Timing and checking.
-
-
-def _err(msg: BaseException) -> str:
-    text = f"{type(msg).__name__}: {msg}"
-    return text if len(text) < 600 else text[:600] + " ..."
-
-
-def run_variant(fn, shared, sets, *, iters: int, warmup: int, iter_s: float, device_time: bool = False):
-    """Compile fn over all K sets (one jit, K calls unrolled), run it once for the outputs, then
-    time it. Returns (result dict, outputs [K]). device_time: also trace one more round of the
-    timed calls and report the device's own time per call ("device": kernels' busy time, their
-    sum, their count, and the traced span), which leaves out what the wall clock adds: host
-    dispatch and launch gaps."""
-    many = jax.jit(lambda sh, ss: [fn(sh, s) for s in ss])
-    t0 = time.perf_counter()
-    outs = jax.block_until_ready(many(shared, sets))
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        jax.block_until_ready(many(shared, sets))
-    t0 = time.perf_counter()
-    jax.block_until_ready(many(shared, sets))
-    one = time.perf_counter() - t0
-    reps = max(1, min(64, int(iter_s / max(one, 1e-9))))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            res = many(shared, sets)
-        jax.block_until_ready(res)
-        ts.append((time.perf_counter() - t0) / (reps * len(sets)))
-    del res
-    out = {"us": float(np.median(ts)) * 1e6, "us_min": float(np.min(ts)) * 1e6, "reps": reps,
-           "sets": len(sets), "iters": iters, "compile_and_first_s": compile_s}
-    if device_time:
-        with traced() as events:
-            for _ in range(reps):
-                res = many(shared, sets)
-            jax.block_until_ready(res)
-        del res
-        calls = reps * len(sets)
-        busy, span = busy_span(events)
-        by_name: dict[str, float] = {}
-        for e in events:
-            by_name[e.get("name", "?")] = by_name.get(e.get("name", "?"), 0.0) + float(e.get("dur", 0.0)) / calls
-        out["device"] = {"busy_us": busy / calls, "kernel_us": sum(float(e.get("dur", 0.0)) for e in events) / calls,
-                         "kernels": len(events) / calls, "span_us": span / calls,
-                         "by_kernel_us": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:6])}
-    return out, outs
-
-
-@jax.jit
-def _rel_err(got, want):
-    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-    return jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30)
-
-
-def rel_err(outs, refs) -> float:
-    return max(float(_rel_err(o, r)) for o, r in zip(outs, refs))
-
-
-def _add_fracs(res: dict, nbytes: int, bw: float) -> dict:
-    """res["frac_copy"]: nbytes over the timed wall clock, as a share of copy bandwidth bw; the
-    same over the device's busy time where it was traced (res["device"]["frac_copy"])."""
-    res["frac_copy"] = nbytes / (res["us"] * 1e-6) / bw
-    if res.get("device", {}).get("busy_us"):
-        res["device"]["frac_copy"] = nbytes / (res["device"]["busy_us"] * 1e-6) / bw
-    return res
-
-
-def measure(variants: dict, ref_name: str, shared_of, sets_of, bytes_: int, bw: float,
-            opts) -> dict:
-    """Time every variant (the reference first); check each against the reference's outputs."""
-    results, refs = {}, None
-    for name in [ref_name] + [v for v in variants if v != ref_name]:
-        fn = variants[name]
-        if fn is None:
-            results[name] = None
-            continue
-        try:
-            res, outs = run_variant(fn, shared_of(name), sets_of(name), iters=opts["iters"],
-                                    warmup=opts["warmup"], iter_s=opts["iter_s"],
-                                    device_time=opts.get("device_time", False))
-            if name == ref_name:
-                refs, res["rel_err"] = outs, 0.0
-            else:
-                res["rel_err"] = rel_err(outs, refs) if refs is not None else None
-                del outs
-            res["ok"] = res["rel_err"] is not None and res["rel_err"] < TOL
-            res["GBps"] = bytes_ / (res["us"] * 1e-6) / 1e9
-            _add_fracs(res, bytes_, bw)
-        except Exception as e:  # noqa: BLE001: one variant failing must not lose the others
-            traceback.print_exc(limit=3)
-            res = {"error": _err(e), "ok": False}
-        results[name] = res
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA: the pool, the adapters in it, the input sets.
 
 
 def _next_pow2(n: int) -> int:
@@ -283,8 +180,8 @@ class LoraPool:
         c = len(self.cycle)
         per = -(-n // c)
         out = []
-        bt = lora_kernels.decode_block_t("pallas")
-        shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", self.width, self.fin)
+        bt = lora_kernels.BLOCK_T  # the engine's decode expand; its shrink at 1 where gemv_shrink holds
+        shrink_bt = 1 if lora_kernels.gemv_shrink(self.width, self.fin, SETTINGS["shrink"]) else bt
         seg = np.arange(n + 1, dtype=np.int32) * (t // n)  # every set: n slots of t // n tokens
 
         def dev(schedule):
@@ -298,26 +195,16 @@ class LoraPool:
                 "a_rows": jnp.asarray(self.a_idx[m]), "b_rows": jnp.asarray(self.b_idx[m]),
                 "ranks": jnp.asarray(ranks),
                 "seg": jnp.asarray(seg),
-                # the kernels' block schedule, built on the host as the engine builds it (the
-                # Pallas pair's at the engine's decode block_t, each kernel's: 1 where
-                # BLOCKS["mbgmv"] has it)
-                "schedule": dev(lora_kernels.block_schedule(ranks, seg, t)),
-                "shrink_schedule": dev(lora_kernels.shrink_schedule(ranks, seg, t, shrink_bt, max_rank=self.max_rank)),
-                "fused_schedule": dev(lora_kernels.fused_schedule(ranks, seg, t, max_rank=self.max_rank)),
-                "coop_schedule": dev(triton_lora.coop_schedule(ranks, seg, t, max_rank=self.max_rank, fout=self.fout,
-                                                               width=self.width)),
+                # the kernels' block schedules, built on the host as the engine builds them
+                "schedule": dev(lora_kernels.block_schedule(ranks, seg, t, bt)),
+                "shrink_schedule": dev(lora_kernels.shrink_schedule(ranks, seg, t, shrink_bt, max_rank=self.max_rank,
+                                                                    rank_tile=SETTINGS["shrink"].rank_tile)),
                 "tok": jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), t // n)),
             })
-            if onetrip.applies(self.width, self.fin) and onetrip.applies(self.width, self.fout):
-                kw = dict(width=self.width, max_rank=self.max_rank)
-                out[-1]["onetrip_plans"] = (
-                    dev(onetrip.shrink_plan(ranks[None], self.a_idx[m][None], seg, t, fin=self.fin, **kw)),
-                    dev(onetrip.expand_plan(ranks, self.b_idx[m], seg, t, fout=self.fout, **kw)))
-            if ranksplit.applies(self.width, self.fin, self.fout):  # its table, on the host as onetrip's
-                out[-1]["ranksplit_table"] = dev(ranksplit.plan(ranks, self.a_idx[m], self.b_idx[m], seg, t, fin=self.fin,
-                                                                fout=self.fout, width=self.width, max_rank=self.max_rank))
-            out[-1]["pallas_schedule"] = out[-1]["schedule"] if bt == lora_kernels.BLOCK_T else \
-                dev(lora_kernels.block_schedule(ranks, seg, t, bt))
+            if ranksplit.applies(self.width, self.fin, self.fout):  # its table, on the host as the engine's
+                out[-1]["ranksplit_table"] = dev(ranksplit.plan(
+                    ranks, self.a_idx[m], self.b_idx[m], seg, t, fin=self.fin, fout=self.fout, width=self.width,
+                    max_rank=self.max_rank, block_sizes=SETTINGS["ranksplit"]))
         return out
 
 
@@ -354,7 +241,6 @@ def same_bytes_copy(nbytes: int, k_sets: int, bw: float, opts) -> dict | None:
     return _add_fracs(res, 4 * n, bw)
 
 
-FLOOR_FORMS = ("one_launch", "two_launches", "two_launches_hop")
 
 
 def paged_read_floor(pool: LoraPool, sets: list[dict], nbytes: int, bw: float, opts) -> dict:
@@ -424,8 +310,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
     interp = opts["interpret"]
     kw = dict(max_rank=rmax, fin=fin, fout=fout)
     # the Pallas pair's, as pool.sets built its schedules
-    block_t = lora_kernels.decode_block_t("pallas")
-    shrink_bt = lora_kernels.decode_block_t("pallas", "shrink", pool.width, fin)
+    block_t = lora_kernels.BLOCK_T
+    shrink_bt = 1 if lora_kernels.gemv_shrink(pool.width, fin, SETTINGS["shrink"]) else block_t
 
     def args(s):
         return s["x"], s["a_rows"], s["b_rows"], s["ranks"], s["seg"]
@@ -435,8 +321,9 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
         # y in ydt, the kernel's output dtype (bfloat16: the engine's form, which adds into the
         # base projection's bf16 output in place; float32: a delta buffer)
         return lora_kernels.lora_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg, interpret=interp,
-                                       schedule=s["pallas_schedule"], shrink_schedule=s["shrink_schedule"],
-                                       block_t=block_t, shrink_block_t=shrink_bt, **kw)
+                                       schedule=s["schedule"], shrink_schedule=s["shrink_schedule"],
+                                       block_t=block_t, shrink_block_t=shrink_bt, shrink_sizes=SETTINGS["shrink"],
+                                       expand_sizes=SETTINGS["expand"], **kw)
 
     def xla_ref(rows, s):
         x, a, b, r, seg = args(s)
@@ -460,39 +347,11 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
                 padded_sets.append({"x": s["x"], "A": a, "B": b, "tok": s["tok"]})
         return padded_sets
 
-    def triton(rows, s):
-        x, a, b, r, seg = args(s)
-        return triton_lora.lora_delta(x, rows, a, b, r, seg, schedule=s["schedule"], **kw).astype(ydt)
-
-    def fused(rows, s):
-        x, a, b, r, seg = args(s)
-        return lora_kernels.lora_fused_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
-                                             max_rank=rmax, fin=fin, fout=fout, interpret=interp,
-                                             schedule=s["fused_schedule"])
-
-    def coop(rows, s):
-        x, a, b, r, seg = args(s)
-        return triton_lora.lora_coop_apply(jnp.zeros((t, fout), ydt), x, rows, a, b, r, seg,
-                                           schedule=s["coop_schedule"], **kw)
-
-    def onetrip_pair(rows, s):
-        sp, ep = s["onetrip_plans"]
-        xa = onetrip.onetrip_shrink(s["x"], rows, sp, n_modules=1, max_rank=rmax, interpret=interp)
-        return onetrip.onetrip_expand(jnp.zeros((t, fout), ydt), xa, rows, ep, interpret=interp)
-
-    def onetrip_one(rows, s):
-        sp, ep = s["onetrip_plans"]
-        return onetrip.onetrip_apply(jnp.zeros((t, fout), ydt), s["x"], rows, sp, ep, max_rank=rmax, interpret=interp)
-
     def rank_split(rows, s):
         return ranksplit.ranksplit_apply(jnp.zeros((t, fout), ydt), s["x"], rows, s["ranksplit_table"], fin=fin, fout=fout,
-                                         slots=n)
+                                         slots=n, block_sizes=SETTINGS["ranksplit"])
 
     variants = {"xla_ref": xla_ref, "pallas": pallas, "onehot": onehot, "padded": padded,
-                "triton": triton if opts["triton"] else None, "fused": fused,
-                "coop": coop if opts["triton"] else None,
-                "onetrip": onetrip_pair if "onetrip_plans" in sets[0] else None,
-                "onetrip1": onetrip_one if "onetrip_plans" in sets[0] else None,  # None: reported as n/a
                 "ranksplit": rank_split if opts["triton"] and "ranksplit_table" in sets[0]
                 and ranksplit.applies(pool.width, fin, fout, ydt) else None}
     if opts.get("lora_variants"):  # a sweep times only the named ones (the reference always runs)
@@ -507,8 +366,8 @@ def bench_lora_case(pool: LoraPool, t: int, n: int, bw: float, opts, seed: int) 
            "ranks": sorted(set(ranks)), "mixed_ranks": len(set(ranks)) > 1, "max_rank": rmax,
            "width": pool.width, "pool_rows": pool.n_rows, "bytes": by, "sets": k_sets,
            "set_bytes": set_bytes, "sets_exceed_l2": k_sets * set_bytes > L2_BYTES,
-           "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, 256),
-                                lora_kernels._col_tile(pool.width, fout, 128)) >= 16,
+           "pallas_kernel": min(lora_kernels._col_tile(pool.width, fin, SETTINGS["shrink"].col_tile),
+                                lora_kernels._col_tile(pool.width, fout, SETTINGS["expand"].col_tile)) >= 16,
            "variants": {v: res[v] for v in VARIANTS}, "same_bytes_copy": same, "read_floor": floor}
     p = res["pallas"]
     out["speedup"] = {other: (res[other]["us"] / p["us"]
@@ -562,193 +421,6 @@ def bench_attention_case(model: str, nh: int, kvh: int, d: int, ps: int, bw: flo
 # Targets and the table.
 
 
-def _frac(v):
-    return v["frac_copy"] if v and "frac_copy" in v else None
-
-
-def targets(result: dict, o) -> list[dict]:
-    gpu = result["platform"] == "gpu"
-    out = []
-
-    def verdict(ok):
-        if ok is None:
-            return "n.a."
-        word = "PASS" if ok else "FAIL"
-        return word if gpu else f"n.a. (not a GPU run; would be {word})"
-
-    tt, ta = o["target_tokens"], o["target_adapters"]
-    cases = [c for c in result["lora"] if c["tokens"] == tt and c["adapters"] == ta]
-    # Judged on the kernels' device time where it was traced (--device-time): at these sizes the
-    # wall clock measures the host's dispatch of the timed calls more than the kernels. Our
-    # kernels: the better of the Pallas pairs (lora.py's and, where it applies, onetrip's) that
-    # passed the check against the reference.
-    on_device = bool(cases) and all((c["variants"]["pallas"] or {}).get("device", {}).get("frac_copy")
-                                    for c in cases)
-
-    def ours(c):
-        runs = [(k, c["variants"].get(k)) for k in OURS]
-        runs = [(k, v["device"] if on_device else v) for k, v in runs
-                if v and v.get("ok") and (v.get("device") if on_device else v).get("frac_copy")]
-        return max(runs, key=lambda kv: kv[1]["frac_copy"]) if runs else (None, None)
-    best = {c["module"]: ours(c) for c in cases}
-    parts = [(m, _frac(v)) for m, (_, v) in best.items()]
-    vals = [f for _, f in parts if f is not None]
-    ok = (len(vals) == len(parts) and all(f >= TARGETS["lora_bw"] for f in vals)) if parts else None
-    out.append({"name": f"shrink+expand >= {TARGETS['lora_bw']:.0%} of copy bandwidth at "
-                        f"{tt} tokens x {ta} adapters ({'device' if on_device else 'wall-clock'} time)",
-                "threshold": TARGETS["lora_bw"], "values": dict(parts), "verdict": verdict(ok),
-                "variant": {m: k for m, (k, _) in best.items()},
-                "measure": "device" if on_device else "wall",
-                "wall": {c["module"]: _frac(c["variants"][best[c["module"]][0] or "pallas"]) for c in cases},
-                # one copy kernel moving the same bytes: the practical ceiling at this size
-                "same_bytes_copy": {c["module"]: _frac(c.get("same_bytes_copy")) for c in cases},
-                # --read-floor: the case's rows gathered and nothing else (one launch; two in order)
-                "read_floor": {c["module"]: {f: _frac(c["read_floor"][f].get("device") if on_device
-                                                      else c["read_floor"][f]) for f in FLOOR_FORMS}
-                               for c in cases if c.get("read_floor")},
-                # --device-time: the same on the device's own kernel time (no host dispatch, no gaps)
-                "device": {c["module"]: {**{k: _frac((c["variants"].get(k) or {}).get("device")) for k in OURS},
-                                         "same_bytes_copy": _frac((c.get("same_bytes_copy") or {}).get("device"))}
-                           for c in cases if (c["variants"]["pallas"] or {}).get("device")}})
-
-    mixed = [c for c in result["lora"] if c["mixed_ranks"]]
-    sp = [(c, c["speedup"]["padded"]) for c in mixed]
-    vals = [s for _, s in sp if s is not None]
-    worst = min(sp, key=lambda cs: cs[1] if cs[1] is not None else -1) if sp else None
-    ok = (len(vals) == len(sp) and min(vals) >= TARGETS["vs_padded"]) if sp else None
-    out.append({"name": f"pallas >= {TARGETS['vs_padded']:g}x faster than padded max-rank "
-                        "(every mixed-rank case)",
-                "threshold": TARGETS["vs_padded"],
-                "min": min(vals) if vals else None,
-                "geomean": float(np.exp(np.mean(np.log(vals)))) if vals else None,
-                "worst_case": (f"{worst[0]['module']} T={worst[0]['tokens']} "
-                               f"n={worst[0]['adapters']}" if worst else None),
-                "cases": len(sp), "measured": len(vals), "verdict": verdict(ok)})
-
-    bsz, ctx = o["attn_batch"], o["attn_context"]
-    parts = [(f"{c['model']} ps={c['page_size']}", _frac(c["variants"]["pallas"]))
-             for c in result["attention"]]
-    vals = [f for _, f in parts if f is not None]
-    ok = (len(vals) == len(parts) and all(f >= TARGETS["attn_bw"] for f in vals)) if parts else None
-    out.append({"name": f"paged decode attention >= {TARGETS['attn_bw']:.0%} of copy bandwidth at "
-                        f"batch {bsz} x context {ctx}",
-                "threshold": TARGETS["attn_bw"], "values": dict(parts), "verdict": verdict(ok)})
-    return out
-
-
-def _cell(v, width=15) -> str:
-    if v is None:
-        return f"{'n/a':>{width}}"
-    if "error" in v:
-        return f"{'ERROR':>{width}}"
-    mark = "" if v["ok"] else "!"
-    return f"{v['us']:8.1f} {v['frac_copy'] * 100:4.0f}%{mark:1}".rjust(width)
-
-
-def _pct(f):
-    return "  -" if f is None else f"{f * 100:.0f}%"
-
-
-def _x(s):
-    return "   -" if s is None else f"x{s:.1f}"
-
-
-def table(result: dict) -> str:
-    lines = []
-    bw = result["copy_bandwidth_GBps"]
-    lines.append(f"== bench/kernels.py {result['mode']}  {result['device']}  commit "
-                 f"{result['commit'][:10]}  copy bandwidth {bw:.0f} GB/s (read+write)  "
-                 f"{result['elapsed_s']:.0f} s ==")
-    if result["lora"]:
-        c0 = result["lora"][0]
-        lines.append(f"LoRA delta = shrink+expand, bf16, W={c0['width']}, max rank "
-                     f"{c0['max_rank']}, ranks cycle {result['config']['ranks']}. Cell: median us "
-                     "per call, bytes/time as % of copy bw (! = wrong vs xla-ref)")
-        head = (f"{'module':<8}{'T':>4}{'n':>4}{'MB':>7} |" +
-                "|".join(f"{LABELS[v]:>15}" for v in VARIANTS[:4]) +
-                f"| {'triton':<17} | {'fused':<15} | {'coop':<15} | {'onetrip':<15} | {'onetrip-1':<15} | {'GB/s':>5} {'vs pad':>6} {'vs 1hot':>7} "
-                f"| {'max err':>7}")
-        lines.append(head)
-        lines.append("-" * len(head))
-        if not all(c["sets_exceed_l2"] for c in result["lora"]):
-            lines.insert(-2, "MB* = the rotated input sets fit in L2 together: that case may read "
-                             "partly from L2")
-        for c in result["lora"]:
-            v = c["variants"]
-            errs = [x["rel_err"] for x in v.values() if x and x.get("rel_err") is not None]
-            p = v["pallas"]
-            gbps = f"{p['GBps']:5.0f}" if p and "GBps" in p else "    -"
-            lines.append(
-                f"{c['module']:<8}{c['tokens']:>4}{c['adapters']:>4}"
-                f"{c['bytes']['total'] / 1e6:>7.2f}{' ' if c['sets_exceed_l2'] else '*'}|" +
-                "|".join(_cell(v[k]) for k in VARIANTS[:4]) +
-                f"| {_cell(v['triton'], 17)} | {_cell(v.get('fused'))} | {_cell(v.get('coop'))} | {_cell(v.get('onetrip'))} | {_cell(v.get('onetrip1'))} | {gbps} "
-                f"{_x(c['speedup']['padded']):>6} "
-                f"{_x(c['speedup']['onehot']):>7} | {max(errs) if errs else float('nan'):7.1e}")
-        if result.get("lora_skipped"):
-            lines.append(f"skipped (time budget): {', '.join(result['lora_skipped'])}")
-        errors = [(c, k, x["error"]) for c in result["lora"] for k, x in c["variants"].items()
-                  if x and "error" in x]
-        for c, k, e in errors[:6]:
-            lines.append(f"  ERROR {c['module']} T={c['tokens']} n={c['adapters']} {k}: {e[:200]}")
-    if result["attention"]:
-        a0 = result["attention"][0]
-        lines.append(f"Paged decode attention, bf16, batch {a0['batch']} x context {a0['context']} "
-                     "(pages in random order). Cell: median us, % of copy bw")
-        head = (f"{'model':<12}{'heads':>7}{'W':>6}{'ps':>4}{'MB':>8} |{'pallas':>15}|"
-                f"{'reference':>15}| {'GB/s':>5} {'speedup':>7} | {'err':>7}")
-        lines.append(head)
-        lines.append("-" * len(head))
-        for c in result["attention"]:
-            v = c["variants"]
-            p = v["pallas"]
-            gbps = f"{p['GBps']:5.0f}" if p and "GBps" in p else "    -"
-            err = p.get("rel_err") if p else None
-            lines.append(f"{c['model']:<12}{c['q_heads']:>4}/{c['kv_heads']:<2}{c['width']:>6}"
-                         f"{c['page_size']:>4}{c['bytes']['total'] / 1e6:>8.1f} |"
-                         f"{_cell(v['pallas'])}|{_cell(v['reference'])}| {gbps} "
-                         f"{_x(c['speedup']):>7} | {err if err is not None else float('nan'):7.1e}")
-        for c in result["attention"]:
-            for k, x in c["variants"].items():
-                if x and "error" in x:
-                    lines.append(f"  ERROR {c['model']} ps={c['page_size']} {k}: "
-                                 f"{x['error'][:200]}")
-        if result.get("attention_skipped"):
-            lines.append(f"skipped (time budget): {', '.join(result['attention_skipped'])}")
-    lines.append("Targets (issue 4):")
-    for t in result["targets"]:
-        if "values" in t:
-            detail = ", ".join(f"{k} {_pct(f)}" for k, f in t["values"].items()) or "no case"
-            on_device = t.get("measure") == "device"
-            copies = {k: d["same_bytes_copy"] for k, d in t["device"].items()} if on_device else \
-                t.get("same_bytes_copy") or {}
-            if copies:
-                detail += "; one copy kernel of the same bytes: " + ", ".join(f"{k} {_pct(f)}" for k, f in copies.items())
-            if t.get("read_floor"):
-                detail += "; the rows' gather alone (one launch / two / two with a trip more): " + ", ".join(
-                    f"{k} {' / '.join(_pct(f.get(form)) for form in FLOOR_FORMS)}" for k, f in t["read_floor"].items())
-            if on_device:
-                detail += "; on the wall clock: " + ", ".join(
-                    f"{k} {_pct(f)} (copy {_pct(t['same_bytes_copy'].get(k))})" for k, f in t["wall"].items())
-        else:
-            detail = (f"min {_x(t['min'])} ({t['worst_case']}), geomean {_x(t['geomean'])}, "
-                      f"{t['measured']}/{t['cases']} cases measured")
-        lines.append(f"  {t['verdict']:<6} {t['name']}: {detail}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _floor_cell(f: dict) -> str:
-    """A read-floor form's best tiling: device busy us (else wall us) and its share of copy bw."""
-    if not f.get("best"):
-        return "n/a"
-    d = f.get("device") or {}
-    us, frac = (d["busy_us"], d.get("frac_copy")) if d.get("busy_us") else (f["us"], f.get("frac_copy"))
-    return f"{us:.1f} us {_pct(frac)} ({f['best']})"
-
-
 def _ints(text: str | None, default):
     return tuple(int(v) for v in text.split(",")) if text else default
 
@@ -767,8 +439,8 @@ def main() -> None:
                     help="start no new case after this many seconds (0: no limit)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: attention,lora")
     ap.add_argument("--lora-blocks", default=None,
-                    help='JSON merged into pallas_kernels.lora.BLOCKS before any trace, e.g. '
-                         '\'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
+                    help='JSON of kernel settings over this device\'s defaults, by kernel ("shrink", "expand", '
+                         '"ranksplit"), e.g. \'{"shrink": {"split_k": 4, "col_tile": 512}}\' (a tuning sweep: one run each)')
     ap.add_argument("--device-time", action="store_true",
                     help="also trace each variant's calls once and report the device's kernel time per call "
                          "(JSON \"device\"; the table's wall-clock times include host dispatch and launch gaps)")
@@ -782,18 +454,10 @@ def main() -> None:
                     help="also time bench/read_floor.py on each LoRA case's rows: gathering them and nothing else, "
                          "in one launch and in two (JSON \"read_floor\"; the targets line's floor)")
     args = ap.parse_args()
-    if args.lora_blocks:
-        for kind, over in json.loads(args.lora_blocks).items():
-            if kind == "ranksplit":  # triton_kernels/ranksplit.py's settings
-                try:
-                    ranksplit.set_blocks({kind: over})
-                except ValueError as e:
-                    raise SystemExit(f"--lora-blocks: {e}") from None
-                continue
-            if kind not in lora_kernels.BLOCKS or not set(over) <= set(lora_kernels.BLOCKS[kind]):
-                raise SystemExit(f"--lora-blocks: unknown {kind} or key in {over}; "
-                                 f"BLOCKS = {lora_kernels.BLOCKS}")
-            lora_kernels.BLOCKS[kind] = {**lora_kernels.BLOCKS[kind], **over}
+    try:
+        SETTINGS.update(kernel_settings(args.lora_blocks))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--lora-blocks: {e}") from None
     o = dict(QUICK if args.quick else FULL)
     o["tokens"] = _ints(args.tokens, o["tokens"])
     o["adapters"] = _ints(args.adapters, o["adapters"])
@@ -811,7 +475,7 @@ def main() -> None:
     if set(o["lora_variants"]) - set(VARIANTS):
         raise SystemExit(f"--lora-variants: unknown {sorted(set(o['lora_variants']) - set(VARIANTS))}; known {VARIANTS}")
     o["interpret"] = dev.platform == "cpu"
-    triton_unavailable = triton_lora.unavailable_reason()
+    triton_unavailable = ranksplit.unavailable_reason()
     o["triton"] = triton_unavailable is None
     t_start = time.perf_counter()
 
@@ -824,12 +488,13 @@ def main() -> None:
               "mode": "quick" if args.quick else "full", "dtype": "bfloat16",
               "interpret": o["interpret"],
               "triton_unavailable": triton_unavailable,
-              "triton_block": dict(triton_lora.BLOCKS),
+              "ranksplit_block": dataclasses.asdict(SETTINGS["ranksplit"]),
               "config": {k: v for k, v in o.items() if k not in ("quick",)},
               "tolerance": TOL, "l2_bytes": L2_BYTES, "rotate_bytes": ROTATE_BYTES,
-              "lora_block": dict(lora_kernels.BLOCKS, block_t=lora_kernels.decode_block_t("pallas"),
-                                 shrink_block_t=lora_kernels.decode_block_t("pallas", "shrink", o["width"],
-                                                                            o["hidden"])),
+              "lora_block": {"shrink": dataclasses.asdict(SETTINGS["shrink"]),
+                             "expand": dataclasses.asdict(SETTINGS["expand"]), "block_t": lora_kernels.BLOCK_T,
+                             "shrink_block_t": 1 if lora_kernels.gemv_shrink(o["width"], o["hidden"],
+                                                                             SETTINGS["shrink"]) else lora_kernels.BLOCK_T},
               "lora": [], "attention": [], "lora_skipped": [], "attention_skipped": []}
 
     def save():

@@ -46,7 +46,7 @@ def _read_kernel(order_ref, idx_ref, rows_ref, out_ref, *, tile_rows, col_tile, 
         return rows_ref[rid[:, None], cols[None, :]]
 
     acc = _loop(0, chunks, load, lambda t, a: a + t.astype(jnp.float32),
-                jnp.zeros((tile_rows, col_tile), jnp.float32), True)
+                jnp.zeros((tile_rows, col_tile), jnp.float32))
     out_ref[pl.ds(p, 1), pl.ds(q * tile_rows, tile_rows)] = jnp.sum(acc, axis=1)[None, :]
 
 

@@ -653,7 +653,7 @@ def test_kernels_py_quick_with_device_time(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     d = json.loads(out.read_text())
     (case,) = d["lora"]
-    assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded", "fused")), case["variants"]
+    assert all(case["variants"][v]["ok"] for v in ("pallas", "onehot", "padded")), case["variants"]
     dev = case["variants"]["pallas"]["device"]
     assert dev["kernels"] > 0 and 0 < dev["busy_us"] <= dev["span_us"] + 1e-6
     # --read-floor: the case's live rows (2 slots of ranks 4 and 8 on W = 32, fin = 64: 8 + 16 A^T
@@ -668,19 +668,18 @@ def test_kernels_py_quick_with_device_time(tmp_path):
 
 
 def test_kernels_py_prints_device_time_without_the_pallas_variant(tmp_path):
-    """A run of other variants alone (the onetrip sweep's ticket run) still prints their device
-    time: session 26's printed none, the figures only in its JSON."""
+    """A run of other variants alone still prints their device time, not only in its JSON."""
     out = tmp_path / "k.json"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--quick", "--skip", "attention",
-                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--lora-variants", "onetrip",
+                        "--modules", "qkvo", "--tokens", "8", "--adapters", "2", "--lora-variants", "onehot",
                         "--device-time", "--out", str(out)],
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     (case,) = json.loads(out.read_text())["lora"]
-    assert case["variants"]["pallas"] is None and case["variants"]["onetrip"]["ok"]
-    busy = case["variants"]["onetrip"]["device"]["busy_us"]
+    assert case["variants"]["pallas"] is None and case["variants"]["onehot"]["ok"]
+    busy = case["variants"]["xla_ref"]["device"]["busy_us"]
     line = next(ln for ln in p.stdout.splitlines() if "device time a call:" in ln)
-    assert f"onetrip {busy:.1f} us busy" in line, line
+    assert f"xla-ref {busy:.1f} us busy" in line, line
 
 
 def test_kernels_py_quick_bf16_y(tmp_path):

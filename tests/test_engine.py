@@ -801,14 +801,11 @@ def test_prefill_key_window_and_context_free_steps_match_reference(paths, monkey
     jax.clear_caches()
 
 
-def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypatch):
-    """Prefill LoRA on "pallas" (the GPU's) beside decode "xla": prefill steps carry the kernel's
-    fixed slot bucket (MAX_PREFILL_SEQS), decode steps the one-hot's batch bucket, and the tokens
-    are the reference's."""
+def test_prefill_and_decode_lora_buckets_are_chosen_apart(paths, ref, monkeypatch):
+    """lora_backend="pallas": prefill steps carry the kernel's fixed slot bucket (max_prefill_seqs),
+    decode steps a bucket that follows their adapters, and the tokens are the reference's."""
     from slora_jax.engine import step as paged
-    engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="xla")
-    assert engine.engine.opts.prefill_lora_backend == "xla"  # a given backend serves both kinds of step
-    engine.engine.opts = dataclasses.replace(engine.engine.opts, prefill_lora_backend="pallas")
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
     seen, step = set(), paged.step
 
     def spy(params, pool, inp, **kw):
@@ -817,29 +814,31 @@ def test_prefill_and_decode_lora_backends_are_chosen_apart(paths, ref, monkeypat
         return step(params, pool, inp, **kw)
     monkeypatch.setattr(paged, "step", spy)
     assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
-    assert seen == {(False, "pallas", 16), (True, "xla", 8)}, seen  # 4 adapters: the one-hot bucket is >= 8
+    assert seen == {(False, "pallas", 16), (True, "pallas", 8)}, seen  # 4 adapters: the decode bucket is >= 8
     assert_drained(engine)
 
 
-def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
-    """lora_backend="hybrid": a decode step with at most lora_hybrid_slots distinct adapters
-    takes the one-hot path at its bucket, one with more the Pallas kernel at the batch's bucket;
-    prefill takes the kernel. Twelve names over three adapter files (each name its own pages),
-    then four: the tokens are the reference's both ways."""
+def test_auto_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
+    """lora_backend="auto" as on a GPU (slora_jax.lora.select with platform "gpu"; the kernels still
+    run in interpret mode here, and the rank-split kernel is unavailable): a decode step with at
+    most hybrid_slots(max_lora_rank) distinct adapters takes the one-hot path at its bucket, one
+    with more the Pallas kernel at the batch's bucket; prefill takes the kernel. Twelve names over
+    three adapter files (each name its own pages), then four: the tokens are the reference's both ways."""
+    from slora_jax import lora as lora_select
+    from slora_jax.engine import engine as engine_mod
     from slora_jax.engine import step as paged
-    from slora_jax.engine.engine import EngineOptions
-    with pytest.raises(ValueError, match="lora_hybrid_slots"):
-        EngineOptions(lora_backend="hybrid", lora_hybrid_slots=12)
-    assert EngineOptions(lora_backend="hybrid").prefill_lora_backend == "pallas"
-    # the default switch follows the one-hot path's slots x max rank: 8 slots at rank 64 (where the
-    # kernel won at 16 and 32 on the H200), 32 at rank 16 and below
-    assert [EngineOptions(lora_backend="hybrid", max_lora_rank=r).lora_hybrid_slots
-            for r in (8, 16, 32, 64, 128)] == [32, 32, 16, 8, 8]
-    assert EngineOptions(max_lora_rank=64, lora_hybrid_slots=32).lora_hybrid_slots == 32  # given: kept
+    # the switch follows the one-hot path's slots x max rank: 8 slots at rank 64, 32 at rank 16 and below
+    assert [lora_select.hybrid_slots(r) for r in (8, 16, 32, 64, 128)] == [32, 32, 16, 8, 8]
+
+    def on_gpu(fn):
+        return lambda *a, platform=None, **k: fn(*a, platform="gpu", **k)
+    monkeypatch.setattr(engine_mod, "slot_bucket", on_gpu(lora_select.slot_bucket))
+    monkeypatch.setattr(engine_mod, "step_backend", lambda opt, decode, slots, t, rank, platform, **k:
+                        lora_select.step_backend(opt, decode, slots, t, rank, "gpu", **k))
     files = ["a", "b", "c"]
     names = [f"{files[i % 3]}{i}" for i in range(12)]
     engine = LLM("tiny", adapters={n: paths[n[0]] for n in names}, dtype="float32", page_size=16,
-                 pool_pages=BIG * 2, lora_backend="hybrid", lora_hybrid_slots=8, max_num_seqs=16)
+                 pool_pages=BIG * 2, lora_backend="auto", max_lora_rank=64, max_num_seqs=16)
     seen, step = set(), paged.step
 
     def spy(params, pool, inp, **kw):
@@ -861,41 +860,6 @@ def test_hybrid_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
         assert decode == ({(True, "pallas", 16)} if k == 12 else {(True, "xla", 4)}), seen  # 4 rows
         assert {x[1] for x in seen if not x[0]} == {"pallas"}, seen
     assert_drained(engine)
-
-
-def test_few_slots_bucket_routes_kernel_decode_steps_to_the_dot_shrink(paths, monkeypatch):
-    """BLOCKS["mbgmv"]["few_slots"]: a hybrid decode step past the one-hot switch with at most
-    few_slots adapters, in a batch bucket of at least 4 x few_slots rows, takes the slot bucket
-    few_slots and shrinks in the dot form (no block_t 1 launch); more adapters, or a smaller
-    batch, keep the batch's bucket and block_t 1. Off (None) by default: every step as before.
-    The warm-up compiles the extra bucket."""
-    from pallas_kernels import lora as lora_kernels
-    from slora_jax.engine.engine import _pow2
-    engine = LLM("tiny", adapters={"a": paths["a"]}, dtype="float32", page_size=16, pool_pages=BIG,
-                 lora_backend="hybrid", lora_hybrid_slots=8, max_num_seqs=128)
-    eng = engine.engine
-    # a column-tile cap the tiny model reaches, so its shrinks take block_t 1 where allowed
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 16})
-
-    def decision(n, rows):
-        sa = eng._slot_bucket(n, rows, decode=True)
-        modules = ("q_proj", "v_proj")
-        arrays = {m: eng._empty_lora_arrays(m, sa) for m in modules}
-        lora = eng._make_lora_inputs(rows, np.full(rows, -1, np.int32), np.zeros(sa + 1, np.int32),
-                                     {m: (a, b) for m, (a, b, _) in arrays.items()},
-                                     {m: rk for m, (_, _, rk) in arrays.items()}, eng._step_backend(sa, True), True)
-        return sa, lora.backend, dict(lora.shrink_block_t)
-    off = {n: decision(n, 128) for n in (4, 12, 20, 40)}
-    assert off[4] == (8, "xla", {}) and off[12][:2] == off[40][:2] == (128, "pallas"), off
-    assert set(off[12][2].values()) == {1}, off  # block_t 1 shrinks without few_slots
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "few_slots": 32})
-    assert decision(4, 128) == off[4]                       # the one-hot path is untouched
-    assert decision(12, 128) == (32, "pallas", {})          # few adapters: their bucket, dot shrink
-    assert decision(20, 128) == (32, "pallas", {})
-    assert decision(40, 128) == off[40]                     # more than few_slots: as before
-    assert decision(12, 64)[0] == 64 and set(decision(12, 64)[2].values()) == {1}  # 64 < 4 x 32 rows
-    buckets = eng._slot_buckets(_pow2(128), 128, decode=True)
-    assert 32 in buckets and 128 in buckets, buckets  # what warmup_shapes compiles
 
 
 def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
@@ -1088,35 +1052,32 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, p
     assert_drained(engine)
 
 
-def test_fused_lora_kernel_changes_no_output(paths, ref, monkeypatch):
-    """The fused shrink + expand kernel (BLOCKS["fused"]["decode"], off by default): the
-    reference's tokens, with q/k/v A rows stacked for the grouped shrink or not, and the fused
-    launch really taken in decode steps, on schedules built on the host."""
-    from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "fused", {**lora_kernels.BLOCKS["fused"], "decode": True})
-    calls = []
-    real = paged.lora_fused_delta
+def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
+    """Pallas LoRA with q, k and v in one shrink launch: the reference's tokens, and the grouped
+    launch is really taken, on q, k and v rows stacked on the host (no stacking op in the layer)."""
+    from slora_jax.lora import backends
+    groups, host_stacked = [], []
+    real = backends.lora_shrink_group
 
-    def spy(x, rows, a_rows, *args, schedule=None, **kw):
-        calls.append((a_rows.shape[0], schedule is not None))
-        return real(x, rows, a_rows, *args, schedule=schedule, **kw)
-    monkeypatch.setattr(paged, "lora_fused_delta", spy)
-    rows = [0, 1, 3, 5]
+    def spy(x, rows, a_rows, *args, **kw):
+        groups.append(len(a_rows))
+        host_stacked.append(not isinstance(a_rows, (list, tuple)))  # paged.stack_qkv's [G, Sa, RA]
+        return real(x, rows, a_rows, *args, **kw)
+    monkeypatch.setattr(backends, "lora_shrink_group", spy)
+    rows = [0, 1, 3, 5]  # adapters a, b, c (q, k, v among their targets) and a again
     sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
-    for grouped in (True, False):
-        calls.clear()
-        engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas", lora_group_qkv=grouped)
-        outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
-        assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
-        assert calls and all(hosted for _, hosted in calls), calls
-        assert {g for g, _ in calls} == {1}, calls  # tiny is GQA: k and v narrower than q, each apart
-        assert_drained(engine)
+    engine = make_llm(paths, page_size=16, pool_pages=BIG, lora_backend="pallas")
+    outs = engine.generate([W_PROMPTS[i] for i in rows], sp, adapter=[W_NAMES[i] for i in rows])
+    assert_same(outs, [ref["old"][i] for i in rows], lengths=[3] * len(rows))
+    assert max(groups, default=0) == 3, groups
+    assert all(st == (g > 1) for g, st in zip(groups, host_stacked)), (groups, host_stacked)
+    assert_drained(engine)
 
 
 def generates_reference_tokens(paths, ref):
-    """A Pallas-backend LLM under the BLOCKS a test set: four adapters' greedy tokens are the
-    reference's and the engine drains. BLOCKS is read at trace time, so the jit caches are
-    cleared before (no step traced by an earlier test) and after. Returns the LLM."""
+    """A Pallas-backend LLM under the kernel settings a test set: four adapters' greedy tokens are
+    the reference's and the engine drains. The jit caches are cleared before (no step traced by an
+    earlier test) and after. Returns the LLM."""
     rows = [0, 1, 3, 5]
     sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
     jax.clear_caches()
@@ -1130,37 +1091,34 @@ def generates_reference_tokens(paths, ref):
         jax.clear_caches()
 
 
-def test_split_partials_changes_no_output(paths, ref, monkeypatch):
-    """Split-K shrink partial sums in planes of xa, added by the expand (BLOCKS["shrink"]
-    ["split_partials"] with early_loads, the defaults since session 14): the reference's tokens,
-    and the planes really reach the expands (16-column chunks, so the tiny model's width splits;
-    at its own default chunk the tiny model's shrink does not split)."""
-    from pallas_kernels import lora as lora_kernels
-    monkeypatch.setitem(lora_kernels.BLOCKS, "shrink", {**lora_kernels.BLOCKS["shrink"], "split_partials": True,
-                                                        "early_loads": True, "col_tile": 16, "split_k": 4})
-    monkeypatch.setitem(lora_kernels.BLOCKS, "expand", {**lora_kernels.BLOCKS["expand"], "early_loads": True})
+def test_split_planes_change_no_output(paths, ref, monkeypatch):
+    """Split-K shrink partial sums in planes of xa, added by the expand: the reference's tokens, and
+    the planes really reach the expands (16-column chunks, so the tiny model's width splits; at its
+    own default chunk the tiny model's shrink does not split)."""
+    from pallas_kernels.lora import ShrinkBlockSizes
+    from slora_jax.lora import backends
+    monkeypatch.setitem(backends.BACKENDS, "pallas",
+                        backends.PallasBackend(shrink_sizes=ShrinkBlockSizes(col_tile=16, split_k=4)))
     planes = []
-    real = paged.lora_expand
+    real = backends.lora_expand
 
     def spy(y, xa, *args, **kw):
         planes.append(xa.shape[0] if xa.ndim == 3 else 1)
         return real(y, xa, *args, **kw)
-    monkeypatch.setattr(paged, "lora_expand", spy)
+    monkeypatch.setattr(backends, "lora_expand", spy)
     generates_reference_tokens(paths, ref)
     assert 4 in planes, planes
 
 
-@pytest.mark.parametrize("kernels", [("shrink",), ("shrink", "expand")])
-def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
-    """BLOCKS["mbgmv"]: the Pallas decode steps' LoRA kernels in blocks of one token
-    (multiply-and-sum products), the shrink alone (the default) or both: the reference's tokens,
-    and block_t 1 really reaches the decode steps' kernels named, and only those (prefill steps
-    keep prefill_lora_block_t)."""
-    from pallas_kernels import lora as lora_kernels
-    # col_tile 16: the shrink takes block_t 1 only where its column tile reaches the cap, which
-    # the tiny models' widths do not at the default 1024
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 16,
-                                                       "shrink": "shrink" in kernels, "expand": "expand" in kernels})
+def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch):
+    """The Pallas decode steps' shrinks in blocks of one token (multiply-and-sum products) where
+    their column tile reaches gemv_col_tile: the reference's tokens, and block_t 1 really reaches
+    the decode steps' shrinks, and only those (expands and prefill steps keep BLOCK_T)."""
+    from pallas_kernels.lora import BLOCK_T, ShrinkBlockSizes
+    from slora_jax.lora import backends
+    # gemv_col_tile 16: the tiny models' widths do not reach the default 1024
+    monkeypatch.setitem(backends.BACKENDS, "pallas",
+                        backends.PallasBackend(shrink_sizes=ShrinkBlockSizes(gemv_col_tile=16)))
     seen = {"shrink": [], "expand": []}
 
     def spy(name, real):
@@ -1168,13 +1126,11 @@ def test_mbgmv_decode_changes_no_output(paths, ref, monkeypatch, kernels):
             seen[name].append(kw["block_t"])
             return real(*args, **kw)
         return wrapped
-    monkeypatch.setattr(paged, "lora_expand", spy("expand", paged.lora_expand))
-    monkeypatch.setattr(paged, "lora_shrink_group", spy("shrink", paged.lora_shrink_group))
-    engine = generates_reference_tokens(paths, ref)
-    prefill_bt = engine.engine.opts.prefill_lora_block_t
-    for name in ("shrink", "expand"):
-        decode_bt = 1 if name in kernels else lora_kernels.BLOCK_T
-        assert set(seen[name]) == {decode_bt, prefill_bt}, (name, seen[name])
+    monkeypatch.setattr(backends, "lora_expand", spy("expand", backends.lora_expand))
+    monkeypatch.setattr(backends, "lora_shrink_group", spy("shrink", backends.lora_shrink_group))
+    generates_reference_tokens(paths, ref)
+    assert set(seen["shrink"]) == {1, BLOCK_T}, seen["shrink"]
+    assert set(seen["expand"]) == {BLOCK_T}, seen["expand"]
 
 
 def test_adapter_status_for_routers(paths):
@@ -1226,45 +1182,6 @@ def test_step_temporaries_do_not_grow_with_the_pool(paths):
     growth = layer_bytes[2048] - layer_bytes[256]
     for decode in (True, False):
         assert abs(temps[2048, decode] - temps[256, decode]) < growth // 4, (decode, temps, growth)
-
-
-@pytest.mark.parametrize("per_slot", [True, False], ids=["per_slot", "per_token"])
-def test_mgpu_decode_pair_in_the_engine(tmp_path, monkeypatch, per_slot):
-    """BLOCKS["mgpu"] on, a model whose pool row holds one A^T / B row of q, k, v and o (hidden =
-    kv width = 256): the decode steps' q/k/v and o shrinks and their four expands go through the
-    Mosaic GPU pair (run in its interpreter here; counted), and three adapters of ranks 8 and 16
-    with base rows give the dense reference's greedy tokens."""
-    import dataclasses as dc
-    from pallas_kernels import lora as lora_kernels, lora_mgpu
-    cfg = dc.replace(CFG, name="mha-256", vocab_size=128, hidden_size=256, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
-    assert cfg.kv_size == cfg.hidden_size == 256
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mgpu", {**lora_kernels.BLOCKS["mgpu"], "decode": True, "col_tile": 256,
-                                                      "per_slot": per_slot})
-    monkeypatch.setitem(lora_kernels.BLOCKS, "mbgmv", {**lora_kernels.BLOCKS["mbgmv"], "col_tile": 256})
-    ran = []
-    for name in ("shrink", "expand"):
-        fn = name + ("_by_slot" if per_slot else "")
-        real = getattr(lora_mgpu, fn)
-        monkeypatch.setattr(lora_mgpu, fn, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
-    paths = {n: random_peft_adapter(tmp_path / n, cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                    seed=s) for n, r, s in (("p", 8, 1), ("q", 16, 2), ("r", 8, 3))}
-    rng = np.random.default_rng(7)
-    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (4, 6, 3, 5)]
-    names = ["p", "q", None, "r"]
-    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, ignore_eos=True)
-    jax.clear_caches()
-    try:
-        llm = LLM(cfg, adapters=paths, dtype="float32", page_size=16, pool_pages=32, lora_backend="pallas",
-                  max_lora_rank=16, max_num_seqs=4, min_decode_batch=4)
-        outs = llm.generate(prompts, sp, adapter=names)
-    finally:
-        jax.clear_caches()
-    loaded = {n: load_peft_adapter(p, cfg) for n, p in paths.items()}
-    want = ReferenceEngine(cfg, llm.params, "float32").generate(
-        prompts, [sp] * 4, [0] * 4, [loaded[n] if n else None for n in names], cfg.eos_token_ids)
-    assert_same(outs, want, lengths=[3] * 4)
-    assert ran.count("shrink") >= 2 and ran.count("expand") >= 4, ran  # q/k/v + o, 4 expands (per trace)
 
 
 @pytest.mark.parametrize("page_size,tp", [(1, 1), (16, 1), (16, 2)])

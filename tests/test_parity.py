@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 
@@ -263,60 +262,33 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "fused_lora", "onetrip_lora",
-                                    "onetrip_one_launch", "ranksplit_lora"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "ranksplit_lora"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
     evicted and paged in again mid-run, requests queue); through the Pallas LoRA and decode
-    attention kernels, with the fused LoRA kernel (one launch a module; q, k and v in one on the
-    mha model), with the one-trip decode pair (pallas_kernels/onetrip.py, its tables built on
-    the host), with the rank-split decode kernel (triton_kernels/ranksplit.py; off the GPU its
-    jnp stand-in from the same tables). Every row still matches the oracle."""
+    attention kernels, with the rank-split decode kernel (triton_kernels/ranksplit.py; off the
+    GPU its jnp stand-in from the same tables). Every row still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
-    elif config in ("pallas_kernels", "fused_lora", "onetrip_lora", "onetrip_one_launch",
-                    "ranksplit_lora"):  # interpret mode on the CPU
+    elif config in ("pallas_kernels", "ranksplit_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
         if config == "ranksplit_lora":
-            from slora_jax.engine import step as paged
-            from triton_kernels.lora import unavailable_reason
-            rsk = paged.ranksplit
-            launches, real = [], rsk.ranksplit_apply if unavailable_reason() is None else rsk.ranksplit_reference
+            from slora_jax.engine import engine as engine_mod
+            from triton_kernels import ranksplit as rsk
+            launches, real = [], rsk.ranksplit_apply if rsk.unavailable_reason() is None else rsk.ranksplit_reference
 
             def spy(y, x, rows, table, **kw):
                 launches.append(table[1].shape[0])  # its units' bound (traced: the step's shape)
                 return real(y, x, rows, table, **kw)
-            monkeypatch.setattr(rsk, "decode_takes", lambda slots: True)
+            monkeypatch.setattr(engine_mod, "step_backend", lambda option, decode, *a, **k:
+                                "ranksplit" if decode else "pallas")  # every decode step, as select() would
             monkeypatch.setattr(rsk, "ranksplit_apply", spy)
-        if config.startswith("onetrip"):
-            from pallas_kernels import lora, onetrip
-            from slora_jax.engine import step as paged
-            one = config == "onetrip_one_launch"
-            monkeypatch.setitem(lora.BLOCKS, "onetrip", {**lora.BLOCKS["onetrip"], "decode": True, "one_launch": one})
-            launches, name = [], "onetrip_apply" if one else "onetrip_shrink"
-            real = getattr(onetrip, name)
-
-            def spy(*args, **kw):
-                launches.append(kw.get("n_modules", 1))  # modules in the launch
-                return real(*args, **kw)
-            monkeypatch.setattr(paged.onetrip, name, spy)
-            jax.clear_caches()  # BLOCKS is read at trace time
-        if config == "fused_lora":
-            from pallas_kernels import lora
-            from slora_jax.engine import step as paged
-            monkeypatch.setitem(lora.BLOCKS, "fused", {**lora.BLOCKS["fused"], "decode": True, "max_tokens": 1 << 20})
-            launches, real = [], paged.lora_fused_delta
-
-            def spy(x, rows, a_rows, *args, **kw):
-                launches.append(a_rows.shape[0])  # modules in the launch
-                return real(x, rows, a_rows, *args, **kw)
-            monkeypatch.setattr(paged, "lora_fused_delta", spy)
     else:
         opts = dict(page_size=4, max_num_seqs=3)
         probe = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **{**_llm_options(), **opts,
@@ -332,12 +304,7 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     stats = llm.stats()
     if config == "tight_pool":
         assert stats["evictions"] > 0, stats
-    if config == "fused_lora":  # q, k and v in one launch where they have one width (mha), apart on gqa
-        assert max(launches) == (3 if model == "mha" else 1), launches
     if config == "ranksplit_lora":  # decode steps took it
         assert launches and min(launches) > 0, launches
-    if config.startswith("onetrip"):  # decode steps took it: q, k and v in one shrink launch, or a launch each
-        assert launches and max(launches) == (1 if config == "onetrip_one_launch" else 3), launches
-        jax.clear_caches()
     assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
     llm.engine.pool.check()

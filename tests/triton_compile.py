@@ -1,6 +1,6 @@
-"""Compile triton_kernels/_lora_tl.py's kernels for an H200 (sm_90) on the CPU: Triton's own
+"""Compile triton_kernels/_ranksplit_tl.py's kernel for an H200 (sm_90) on the CPU: Triton's own
 front end, optimiser and the ptxas it ships, no GPU and no JAX. What the interpreter cannot catch
-(types, layouts, loop bounds, shared memory) fails here. tests/test_triton_kernels.py runs it:
+(types, layouts, loop bounds, shared memory) fails here. tests/test_ranksplit.py runs it:
 
   python tests/triton_compile.py JOBS.json      # [{"kernel", "dtypes": {arg: "*bf16"}, "const"}]
 
@@ -28,19 +28,19 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from triton_kernels import _lora_tl  # noqa: E402
+from triton_kernels import _ranksplit_tl  # noqa: E402
 
 
 def main(jobs_path: str) -> None:
     for job in json.loads(Path(jobs_path).read_text()):
-        fn = getattr(_lora_tl, job["kernel"])
+        fn = getattr(_ranksplit_tl, job["kernel"])
         names = fn.arg_names
         signature = {n: job["dtypes"].get(n, "constexpr") for n in names}
         constexprs = {(names.index(k),): v for k, v in job["const"].items()}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in job["dtypes"]} if job.get("sass") else None
         kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32), options=job["options"])
-        print(job["kernel"], job["const"].get("F32_DOT"), "shared", kernel.metadata.shared,
+        print(job["kernel"], "shared", kernel.metadata.shared,
               "cubin", len(kernel.asm["cubin"]), flush=True)
         if os.environ.get("SLORA_DUMP_ASM"):  # a folder: the job's TTGIR, PTX and SASS, for reading layouts
             out = Path(os.environ["SLORA_DUMP_ASM"])

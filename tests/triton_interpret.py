@@ -1,6 +1,6 @@
-"""Run triton_kernels/_lora_tl.py's kernels under Triton's interpreter, on the CPU, with torch.
+"""Run triton_kernels/_ranksplit_tl.py's kernel under Triton's interpreter, on the CPU, with torch.
 
-Not a test: tests/test_triton_kernels.py runs this in an interpreter that has triton and torch but
+Not a test: tests/test_ranksplit.py runs this in an interpreter that has triton and torch but
 not necessarily JAX (the oracle's Python 3.11, for instance); JAX builds the kernels' inputs there,
 and checks the outputs against the jnp references. Talks through files only:
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from triton_kernels import _lora_tl  # noqa: E402
+from triton_kernels import _ranksplit_tl  # noqa: E402
 
 
 def _fix_scalar_index() -> None:
@@ -144,7 +144,7 @@ def main(jobs_path: str, arrays_path: str, out_path: str) -> None:
             first = outs[0][1]
             args += [args[o[1]] if o[0] == "alias" else torch.full(o[1], float(o[3]), dtype=getattr(torch, o[2]))
                      for o in outs]
-        getattr(_lora_tl, job["kernel"])[tuple(job["grid"])](*args, **job["const"])
+        getattr(_ranksplit_tl, job["kernel"])[tuple(job["grid"])](*args, **job["const"])
         out[job["name"] + ("@bf16" if keys[first].endswith("@bf16") else "")] = to_numpy(keys[first],
                                                                                          args[first])
     np.savez(out_path, **out)

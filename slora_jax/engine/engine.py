@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.lora import (BLOCKS, block_schedule, decode_block_t, few_slots_bucket, fused_applies, fused_schedule,
-                                 mbgmv_shrink, shrink_schedule)
 from slora_jax.config import EngineConfig
+from slora_jax.lora import check_backend, plan as plan_lora, slot_bucket, step_backend
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
@@ -42,72 +41,31 @@ PHASES = ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device
 CPU_POOL_BYTES = 2**30  # a device that reports no memory limit (the CPU) gets this much pool
 
 
-def default_backends() -> tuple[str, str, str]:
-    """(lora_backend, attention_backend, prefill_lora_backend) that "auto" resolves to: the
-    fastest measured, or where not yet measured, the one whose cost has the right shape.
-
-    GPU (H200, bench/results/README.md, one run at d63d250): the Pallas paged decode attention
-    kernel took 26.2 ms against XLA's 46.2 ms at batch 256 (11.3 vs 17.0 ms at 64), so attention is
-    "pallas". For decode LoRA the winner depends on how many distinct adapters a step holds, so it
-    is "hybrid" (one-hot up to lora_hybrid_slots, the kernel above: see hybrid_slots, which
-    session 22 lowered to 8 at max rank 64 from the 32 set here). With up to 32 adapters the
-    engine's decode step paid less with the one-hot path (+1.0-1.7 ms against +3.2-6.1 ms at batch
-    1-64; +3.8 vs +4.5 ms at 256 with 32 rank-32 adapters, session 4). The kernel micro-benchmark
-    (same run, mixed ranks 8-64, one module of each llama-7b shape) puts the crossover there: at 8
-    adapters one-hot is faster in all six cases, at 64 the kernel is, by 1.2-2x (the one-hot path
-    gathers every slot at the max rank and multiplies every token by every slot; the kernel's time
-    hardly grows with adapters). S2's decode steps hold 100-250 distinct adapters.
-    Prefill LoRA is "pallas": the one-hot path multiplies every token by every slot's A and B
-    (tokens x slots x rank work: 4096 tokens x 32 adapters at rank 64 is ~18 TFLOP a step on
-    llama-7b), the segment kernel only by its own adapter's, and its empty slots cost nothing, so
-    prefill steps can keep one slot bucket (fewer shapes to compile).
-    CPU: "xla" for all (Pallas runs there only in interpret mode, for tests).
-    """
-    if jax.default_backend() == "gpu":
-        return "hybrid", "pallas", "pallas"
-    return "xla", "xla", "xla"
-
-
-def hybrid_slots(max_lora_rank: int) -> int:
-    """The most distinct adapters a "hybrid" decode step keeps on the one-hot path: while slots x
-    max_lora_rank <= 512 (a power of two, 8 to 32). The one-hot path gathers and multiplies every
-    slot at max_lora_rank, so its cost follows slots x max rank; the kernel's hardly moves with
-    the adapters. H200, llama-7b decode step at context 430, max rank 64, device ms a step
-    (bench/results/20261201-0e4a079/call2-*, call3-*): B 172, 8 adapters one-hot 20.94 / kernel
-    21.36, 16: 21.80 / 21.42, 32: 24.27 / 21.60; B 32, 8: 8.75 / 8.74, 16: 9.41 / 8.80, 32:
-    10.80 / 9.05. At max rank 16 one-hot still won at 32 slots (session 4, when the kernels were
-    slower); nothing above 32 was measured, so 32 is the cap."""
-    slots = 8
-    while slots < 32 and 2 * slots * max_lora_rank <= 512:
-        slots *= 2
-    return slots
-
-
 @dataclasses.dataclass(frozen=True)
 class LoraChoices:
-    """The per-step LoRA and attention settings the step builders read, resolved from an
-    EngineConfig ("auto" included; see default_backends)."""
-    lora_backend: str            # decode steps: "xla", "pallas" or "hybrid" (one-hot up to hybrid_slots)
-    prefill_lora_backend: str    # "xla" or "pallas"
-    attention_backend: str       # "xla" or "pallas"
+    """What a step runs LoRA and attention on. The LoRA option stays as configured ("auto":
+    slora_jax.lora.select picks per step); attention's "auto" is the Pallas paged decode kernel on
+    a GPU (bench/RESULTS.md, "attention backend"), XLA elsewhere (Pallas runs there only in
+    interpret mode, for tests)."""
+    lora_backend: str        # "auto", "xla", "pallas" or "ranksplit"
+    attention_backend: str   # "xla" or "pallas"
     max_lora_rank: int
-    lora_hybrid_slots: int
-    prefill_lora_block_t: int = 16  # tokens per LoRA kernel block in prefill steps (bench/RESULTS.md)
-    lora_group_qkv: bool = True     # q, k and v shrink in one kernel launch (they read the same x)
     max_prefill_seqs: int = MAX_PREFILL_SEQS
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> "LoraChoices":
-        auto_lora, auto_attention, auto_prefill = default_backends()
-        if config.lora_backend == "ranksplit" and jax.default_backend() != "gpu":
-            raise ValueError("lora_backend='ranksplit' runs the Triton rank-split kernel, which needs a GPU; "
-                             "use 'auto', 'pallas' or 'xla'")
-        # "ranksplit": the Pallas pair's decode steps take the rank-split kernel where it applies
-        chosen = {"auto": None, "xla": "xla", "pallas": "pallas", "ranksplit": "pallas"}[config.lora_backend]
-        attention = auto_attention if config.attention_backend == "auto" else config.attention_backend
-        return cls(lora_backend=chosen or auto_lora, prefill_lora_backend=chosen or auto_prefill,
-                   attention_backend=attention, max_lora_rank=config.max_lora_rank,
-                   lora_hybrid_slots=hybrid_slots(config.max_lora_rank))
+        platform = jax.default_backend()
+        check_backend(config.lora_backend, platform)
+        attention = config.attention_backend
+        if attention == "auto":
+            attention = "pallas" if platform == "gpu" else "xla"
+        return cls(lora_backend=config.lora_backend, attention_backend=attention,
+                   max_lora_rank=config.max_lora_rank)
+
+    @property
+    def kernels(self) -> bool:
+        """Whether any step may run a GPU kernel (the pool's int32 offsets matter then)."""
+        return self.lora_backend != "xla" or self.attention_backend != "xla"
 
 
 def activation_bytes(cfg: ModelConfig, config: EngineConfig, dtype, tp: int = 1) -> int:
@@ -235,7 +193,7 @@ class Engine:
             working = activation_bytes(self.cfg, c, self.dtype, tp)
             per_page = paged.page_bytes(self.cfg, self.ps, self.dtype) // tp  # a device holds 1/tp of a page
             return min(pool_bytes(_memory_stats(), c.gpu_memory_utilization, working) // per_page, cap)
-        kernels = {self.opts.lora_backend, self.opts.prefill_lora_backend, self.opts.attention_backend} != {"xla"}
+        kernels = self.opts.kernels
         if c.pool_pages > cap and jax.default_backend() == "gpu" and kernels:
             raise ValueError(f"pool_pages={c.pool_pages}: a layer of the pool would hold past 2**31 elements, "
                              f"which the GPU kernels address in int32; use at most {cap} pages, or the xla "
@@ -427,106 +385,22 @@ class Engine:
         return sorted({self._slot_bucket(n, rows, decode) for n in range(1, most + 1)})
 
     def _slot_bucket(self, n: int, rows: int, decode: bool) -> int:
-        """Slots for n distinct adapters in a step of `rows` tokens. The one-hot path costs
-        work per slot, so its bucket follows n (powers of two, at least 8, at most the batch); the
-        kernels skip empty slots, so prefill under them keeps one bucket, and a hybrid decode step
-        past lora_hybrid_slots takes the batch's own bucket (the kernel's; see _step_backend)."""
+        """Slots for n distinct adapters in a step of `rows` tokens (slora_jax.lora.slot_bucket)."""
         if self._lora_slots:
             return self._lora_slots
-        backend = self.opts.lora_backend if decode else self.opts.prefill_lora_backend
-        if decode and backend == "hybrid" and n > self.opts.lora_hybrid_slots:
-            return few_slots_bucket(n, _pow2(rows)) or _pow2(rows)
-        if decode or backend == "xla":
-            return min(_pow2(rows), max(8, _pow2(n)))
-        return _pow2(max(n, self.opts.max_prefill_seqs))
+        return slot_bucket(n, rows, decode=decode, option=self.opts.lora_backend, max_rank=self.opts.max_lora_rank,
+                           platform=jax.default_backend(), prefill_slots=self.opts.max_prefill_seqs)
 
     def _step_backend(self, slots: int, decode: bool) -> str:
-        """The LoRA backend of a step with `slots` adapter slots. Under "hybrid" the slot bucket
-        says which: one-hot buckets stay at or below lora_hybrid_slots (a power of two), kernel
-        buckets are above it."""
-        if not decode:
-            return self.opts.prefill_lora_backend
-        if self.opts.lora_backend == "hybrid":
-            return "pallas" if slots > self.opts.lora_hybrid_slots else "xla"
-        return self.opts.lora_backend
+        """The LoRA backend of a step with `slots` adapter slots (slora_jax.lora.step_backend)."""
+        return step_backend(self.opts.lora_backend, decode, slots, 0, self.opts.max_lora_rank, jax.default_backend(),
+                            sharded=self.tp is not None)
 
     def _make_lora_inputs(self, t: int, token_slot, seg_starts, rows: dict, ranks: dict,
                           backend: str, decode: bool) -> paged.LoraInputs:
-        """LoraInputs of a step (live or null): q/k/v stacked for the grouped shrink, schedules."""
-        group = self.opts.lora_group_qkv
-        block_t = decode_block_t(backend) if decode else self.opts.prefill_lora_block_t
-        shrink_bt = {}
-        if decode and mbgmv_shrink(len(seg_starts) - 1, t):  # each shrink launch's (paged.pool_lora)
-            for name in self._shrink_launch_names(ranks, group):
-                bt = decode_block_t(backend, "shrink", self.cfg.kv_size,
-                                    self.cfg.module_shape(paged.QKV[0] if name == "qkv" else name)[0])
-                if bt != block_t:
-                    shrink_bt[name] = bt
-        split = {}  # the rank-split kernel's tables; the modules it serves need no pair schedules
-        if decode and backend in ("pallas", "triton") and self.tp is None and paged.ranksplit.decode_takes(len(seg_starts) - 1):
-            split = paged.ranksplit_plans(rows, ranks, seg_starts, t, self.cfg, self.opts.max_lora_rank, self.dtype)
-        served = {m for m in ranks if "ranksplit:" + m in split}
-        if not served >= {m for m in ranks if m in paged.QKV}:  # the pair's grouped q/k/v shrink keeps them all
-            served -= set(paged.QKV)
-        pair = {m: r for m, r in ranks.items() if m not in served}
-        schedules = self._schedules(pair, seg_starts, t, backend, group, block_t, self.opts.max_lora_rank, shrink_bt)
-        if decode and backend == "pallas" and self.tp is None and BLOCKS["onetrip"]["decode"]:
-            schedules.update(paged.onetrip_plans({m: rows[m] for m in pair}, pair, seg_starts, t, self.cfg, group,
-                                                 self.opts.max_lora_rank))
-        if split:
-            schedules = {**(schedules or {}), **split}
-        rows, stacked = paged.stack_qkv(rows, ranks, backend, group)
-        return paged.LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, **stacked,
-                                max_rank=self.opts.max_lora_rank, backend=backend, group_qkv=group,
-                                schedules=schedules, block_t=block_t, shrink_block_t=tuple(sorted(shrink_bt.items())))
-
-    @staticmethod
-    def _shrink_launch_names(modules, group_qkv: bool) -> list[str]:
-        """The Pallas shrink launches of a step: one per module, q/k/v as one ("qkv") with
-        group_qkv where the step carries two or more of them (paged.pool_lora)."""
-        if group_qkv and sum(m in modules for m in paged.QKV) > 1:
-            return [m for m in modules if m not in paged.QKV] + ["qkv"]
-        return list(modules)
-
-    @staticmethod
-    def _shrink_launches(ranks: dict, group_qkv: bool) -> dict:
-        """`_shrink_launch_names` with each launch's ranks ("qkv": each slot's largest of q/k/v)."""
-        return {name: np.maximum.reduce([ranks[m] for m in paged.QKV if m in ranks]) if name == "qkv"
-                else ranks[name] for name in Engine._shrink_launch_names(ranks, group_qkv)}
-
-    @staticmethod
-    def _schedules(ranks: dict, seg_starts: np.ndarray, t: int, backend: str, group_qkv: bool,
-                   block_t: int, max_rank: int, shrink_block_t: dict | None = None) -> dict | None:
-        """The kernels' schedules, built here on the host (one per distinct set of slots or ranks)
-        instead of by small XLA ops at every kernel call; None for the one-hot path, which has
-        none. schedules[module]: the module's block schedule (expand; the Triton kernels' shrink
-        too). Under "pallas", schedules["shrink:" + module] for each shrink launch
-        (shrink_schedule: with compact_tiles it depends on the ranks), and with group_qkv
-        schedules["shrink:qkv"] for the grouped q/k/v shrink (each slot's largest rank of the three);
-        where the fused kernel applies (pallas_kernels.lora.fused_applies), the same under "fused:"
-        for its launches. shrink_block_t: {launch: block_t} of the Pallas shrink launches whose
-        block_t differs (1: MBGMV)."""
-        if backend not in ("pallas", "triton"):
-            return None
-        out, seen = {}, {}
-
-        def once(kind, rk, build):
-            key = (kind, rk.tobytes())
-            if key not in seen:
-                seen[key] = build()
-            return seen[key]
-        for module, rk in ranks.items():
-            mask = (rk > 0).astype(np.int32)
-            out[module] = once("plain", mask, lambda: block_schedule(mask, seg_starts, t, block_t))
-        if backend == "pallas":
-            # the launches that read A: one per module, q/k/v as one with group_qkv (paged.pool_lora)
-            kind, build = ("fused", fused_schedule) if fused_applies(t) else ("shrink", shrink_schedule)
-            for name, rk in Engine._shrink_launches(ranks, group_qkv).items():
-                bt = block_t if kind == "fused" else (shrink_block_t or {}).get(name, block_t)
-                rk = np.minimum(rk, max_rank).astype(np.int32)
-                out[f"{kind}:{name}"] = once((kind, bt), rk,
-                                             lambda: build(rk, seg_starts, t, bt, max_rank=max_rank))
-        return out
+        """LoraInputs of a step (live or null): the backend's host tables (slora_jax.lora.plan)."""
+        return plan_lora(backend, t=t, token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
+                         decode=decode, cfg=self.cfg, max_rank=self.opts.max_lora_rank, dtype=self.dtype)
 
     def prompt_logits(self, prompts: list[list[int]], adapters: list[str | None]) -> list[np.ndarray]:
         """Logits at every prompt position, all prompts in one prefill step (engine must be idle)."""
