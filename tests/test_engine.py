@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from slora_jax import LLM, AdapterMemoryBaseline, EngineConfig, SamplingParams
+from slora_jax.lora import qkv_group
 
 from slora_jax.engine import step as paged
 from slora_jax.engine.scheduler import PENDING
@@ -648,8 +649,8 @@ def test_padded_slots_lora_runs_over_every_slot_at_max_rank(paths):
     lora = e.slots.lora_inputs([plan.requests[0]] * 2, 2, decode=True)
     assert set(lora.rows) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for module, (a, b) in lora.rows.items():
-        if a is None:  # q, k, v under the grouped Pallas shrink: A rows stacked (paged.stack_qkv)
-            a = lora.qkv_a_rows[paged.qkv_group(lora.rows).index(module)]
+        if a is None:  # q, k, v under the grouped Pallas shrink: A rows stacked (lora.stack_qkv)
+            a = lora.qkv_a_rows[qkv_group(lora.rows).index(module)]
         assert a.shape[0] == b.shape[0] == 3  # the bucket is every slot, one adapter or not
         assert list(lora.ranks[module]) == [PADDED_RANK, 0, 0]
     assert lora.max_rank == PADDED_RANK
@@ -1061,7 +1062,7 @@ def test_grouped_qkv_shrink_changes_no_output(paths, ref, monkeypatch):
 
     def spy(x, rows, a_rows, *args, **kw):
         groups.append(len(a_rows))
-        host_stacked.append(not isinstance(a_rows, (list, tuple)))  # paged.stack_qkv's [G, Sa, RA]
+        host_stacked.append(not isinstance(a_rows, (list, tuple)))  # lora.stack_qkv's [G, Sa, RA]
         return real(x, rows, a_rows, *args, **kw)
     monkeypatch.setattr(backends, "lora_shrink_group", spy)
     rows = [0, 1, 3, 5]  # adapters a, b, c (q, k, v among their targets) and a again

@@ -144,7 +144,8 @@ class TestPagedAttentionGPU(TestPagedAttention):
 
 def test_reference_matches_paged_attention_xla():
     """The reference is the decode branch of the engine's xla attention."""
-    from slora_jax.engine.step import StepInputs, paged_attention_xla
+    from slora_jax.engine.attention import paged_attention_xla
+    from slora_jax.engine.step import StepInputs
 
     args, _ = make_inputs(4, "gqa", jnp.float32, seed_of("xla"))
     q, k_new, v_new, pool, page_table, lens = args

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slora_jax.config import EngineConfig
-from slora_jax.lora import check_backend, plan as plan_lora, slot_bucket, step_backend
+from slora_jax.lora import LoraInputs, check_backend, plan as plan_lora, slot_bucket, step_backend
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
@@ -397,7 +397,7 @@ class Engine:
                             sharded=self.tp is not None)
 
     def _make_lora_inputs(self, t: int, token_slot, seg_starts, rows: dict, ranks: dict,
-                          backend: str, decode: bool) -> paged.LoraInputs:
+                          backend: str, decode: bool) -> LoraInputs:
         """LoraInputs of a step (live or null): the backend's host tables (slora_jax.lora.plan)."""
         return plan_lora(backend, t=t, token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks,
                          decode=decode, cfg=self.cfg, max_rank=self.opts.max_lora_rank, dtype=self.dtype)

@@ -16,6 +16,7 @@ from slora_jax.engine import step as paged
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
 from slora_jax.engine import attention
 from slora_jax.engine.pool import NULL_PAGE, UnifiedPool
+from slora_jax.lora import LoraInputs, rows_needed
 from slora_jax.engine.scheduler import MAX_PREFILL_SEQS, PENDING, Request
 from slora_jax.model.config import TARGET_MODULES, ModelConfig
 from slora_jax.model.layout import page_rows
@@ -82,7 +83,7 @@ class AdapterSlots:
             rec = records[modules] = np.concatenate(parts)
         return rec
 
-    def lora_inputs(self, token_reqs: list[Request | None], t: int, *, decode: bool) -> paged.LoraInputs | None:
+    def lora_inputs(self, token_reqs: list[Request | None], t: int, *, decode: bool) -> LoraInputs | None:
         """The LoraInputs of a step whose token i belongs to token_reqs[i] (None: padding), or
         None when no token has an adapter."""
         entries = list({r.adapter.key: r.adapter for r in token_reqs if r is not None and r.adapter}.values())
@@ -113,7 +114,7 @@ class AdapterSlots:
             at += ra + rb + 1
         return self.backends._make_lora_inputs(t, token_slot, seg_starts, rows, ranks, backend, decode)
 
-    def null_inputs(self, t: int, modules: tuple[str, ...], sa: int, decode: bool) -> paged.LoraInputs:
+    def null_inputs(self, t: int, modules: tuple[str, ...], sa: int, decode: bool) -> LoraInputs:
         """LoraInputs of a step of t tokens carrying `modules` in sa slots, none of them live."""
         arrays = {m: self.empty_arrays(m, sa) for m in modules}
         return self.backends._make_lora_inputs(
@@ -130,7 +131,7 @@ class AdapterSlots:
         """Pool rows of a module's A^T and of its B at max_lora_rank (a slot's row-index widths)."""
         rank, width = self.max_lora_rank, self.cfg.kv_size
         fin, fout = self.cfg.module_shape(module)
-        return paged.rows_needed(rank, fin, width), paged.rows_needed(rank, fout, width)
+        return rows_needed(rank, fin, width), rows_needed(rank, fout, width)
 
     def module_sets(self) -> list[tuple[str, ...]]:
         """The module sets a LoRA step can carry: the registered adapters' modules within the

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slora_jax.engine.attention import commit_kv, commit_kv_tp, paged_attend, paged_attention_xla  # noqa: F401
-from slora_jax.lora import (QKV, LoraInputs, lora_xla, lora_xla_expand, lora_xla_shrink,  # noqa: F401 (re-exported)
-                            pool_lora, qkv_group, rows_needed, stack_qkv)
+from slora_jax.engine.attention import commit_kv, commit_kv_tp, paged_attend
+from slora_jax.lora import LoraInputs, pool_lora
 from slora_jax.model import llama as model
 from slora_jax.model import tp as tp_mod
 from slora_jax.model.config import ModelConfig
