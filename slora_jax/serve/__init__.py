@@ -3,6 +3,7 @@
 protocol.py   request parsing and validation, the error shape, the pieces of a response
 chat.py       chat messages -> prompt token ids (the model's chat template)
 async_engine  the engine thread, and the queue between it and the HTTP handlers
-app.py        build_app: the FastAPI routes, middleware, streaming, metrics
+app.py        build_app: the FastAPI routes, middleware, metrics, graceful drain
+streaming.py  server-sent events; waiting on work while watching for a client disconnect
 cli.py        `slora-jax serve` (flags from EngineConfig), ServerThread
 """
