@@ -89,11 +89,11 @@ class aligned:
         self.srv.engine.resume()
 
 
-def wait_idle(url, timeout=30.0) -> dict:
+def wait_idle(url, timeout=30.0, headers=None) -> dict:
     """/stats once nothing runs, waits or holds KV pages (fails after `timeout`)."""
     t0 = time.monotonic()
     while True:
-        s = httpx.get(url + "/stats").json()
+        s = httpx.get(url + "/stats", headers=headers).json()
         if s["running"] == 0 and s["waiting"] == 0 and s["kv_pages"] == 0 and s["requests_in_flight"] == 0:
             return s
         if time.monotonic() - t0 > timeout:

@@ -60,7 +60,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self):
-        headers = {"Retry-After": str(int(max(1, round(self.retry_after))))} if self.retry_after else None
+        headers = {"Retry-After": str(int(max(1, round(self.retry_after))))} if self.retry_after else {}
+        if self.status == 408:  # the rest of the body may still come: end the connection instead
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -128,7 +130,7 @@ def parse_json_body(raw: bytes) -> dict:
                 top = k if depth == 1 else param
                 if SURROGATE.search(k):
                     raise bad("a key in the request body holds a lone UTF-16 surrogate (malformed Unicode)",
-                              top, "invalid_unicode")
+                              param, "invalid_unicode")
                 stack.append((v, depth + 1, top))
         else:
             stack.extend((v, depth + 1, param) for v in value)

@@ -1,0 +1,339 @@
+"""Fault isolation at the server: one hostile request harms no one else.
+
+On a live uvicorn on 127.0.0.1 with an API key and a short --request-timeout: values that would
+overflow on the device (top_k past int32, seeds past int64, floats past a double) are 400s naming
+the field; malformed Unicode and deep nesting are 400s; tokenizing a large body leaves /health
+answering; the message count and a chat's characters (names and roles too) are bounded; a body
+that stops half-way gets 408 within the timeout; every route but /health and /metrics wants the
+key; no response shows an absolute server path. Each case ends with the server still serving and
+its engine idle with no KV page held.
+
+Also here: SIGTERM on `slora-jax serve` in a subprocess drains (new requests 503 + Retry-After,
+running ones finish or end with an error event and [DONE], no traceback logged), and the demo's
+cache survives a kill during its first start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_server, text, wait_idle
+
+from slora_jax.demo import prepare
+from slora_jax.serve.async_engine import EngineError
+from slora_jax.serve.protocol import MAX_MESSAGES, from_engine_error, hide_paths
+
+KEY = "sk-faults"
+H = {"Authorization": f"Bearer {KEY}"}
+SERVED = ADAPTERS[:2]
+TIMEOUT = 2.0  # the server's --request-timeout here
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    model_dir, paths = demo_dir(tmp_path_factory)
+    allowed = tmp_path_factory.mktemp("faults_allowed")
+    shutil.copytree(paths[ALL_LINEAR[20]], allowed / "good")
+    shutil.copytree(paths[ALL_LINEAR[20]], allowed / "no-weights")
+    (allowed / "no-weights" / "adapter_model.safetensors").unlink()
+    st, srv = start_server(model_dir, {n: paths[n] for n in SERVED}, api_key=KEY,
+                           allowed_adapter_dirs=[str(allowed)], request_timeout=TIMEOUT)
+    yield st, srv, allowed, model_dir
+    st.stop()
+
+
+def post(url, path, body=None, *, content=None, headers=H, timeout=120):
+    hdrs = {**headers, "Content-Type": "application/json"} if content is not None else headers
+    return httpx.post(url + path, json=body if content is None else None, content=content, headers=hdrs,
+                      timeout=timeout)
+
+
+def assert_error(r, status, match, param="unset"):
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert match.lower() in err["message"].lower(), err["message"]
+    if param != "unset":
+        assert err["param"] == param, err
+    return err
+
+
+def assert_serves(url):
+    r = post(url, "/v1/completions", {"model": SERVED[0], "prompt": text(3), "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    s = wait_idle(url, headers=H)
+    assert s["kv_pages"] == 0 and s["running"] == 0
+
+
+OK = {"model": SERVED[0], "prompt": text(2), "max_tokens": 3}
+
+RANGE_CASES = [  # (id, body changes, message, param): every value that reaches the device
+    ("top-k-past-int32", {"top_k": 2**31}, "top_k must be <= 2147483647", "top_k"),
+    ("top-k-huge", {"top_k": 10**30}, "top_k must be <=", "top_k"),
+    ("seed-past-int64", {"seed": 2**64}, "seed must be <=", "seed"),
+    ("seed-below-int64", {"seed": -(2**64)}, "seed must be >=", "seed"),
+    ("temperature-past-double", {"temperature": 10**400}, "temperature must be in [0, 2]", "temperature"),
+    ("top-p-past-double", {"top_p": -(10**400)}, "top_p must be in (0, 1]", "top_p"),
+    ("ttft-slo-past-double", {"ttft_slo": 10**400}, "ttft_slo must be in", "ttft_slo"),
+    ("logprobs-huge", {"logprobs": 2**40}, "logprobs must be <= 5", "logprobs"),
+    ("n-huge", {"n": 2**40}, "is not supported", "n"),
+    ("stop-token-ids-many", {"stop_token_ids": [5] * 65}, "at most 64 stop_token_ids", "stop_token_ids"),
+    ("stop-token-id-negative", {"stop_token_ids": [-1]}, "stop_token_ids must be", "stop_token_ids"),
+    ("stop-string-long", {"stop": "x" * 1025}, "at most 1024 characters", "stop"),
+    ("stop-strings-many", {"stop": ["x"] * 17}, "at most 16 stop strings", "stop"),
+    ("max-tokens-past-int64", {"max_tokens": 2**70}, "maximum context length", "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("change,match,param", [c[1:] for c in RANGE_CASES], ids=[c[0] for c in RANGE_CASES])
+def test_device_values_range_checked(env, change, match, param):
+    st = env[0]
+    for stream in (False, True):
+        assert_error(post(st.url, "/v1/completions", {**OK, **change, "stream": stream}), 400, match, param)
+    assert_serves(st.url)
+
+
+def test_non_finite_numbers_refused(env):
+    """NaN and Infinity are not JSON; Python's parser takes them unless told not to."""
+    st = env[0]
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        raw = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": %s}' % (SERVED[0].encode(), literal)
+        assert_error(post(st.url, "/v1/completions", content=raw), 400, "not a JSON number")
+    assert_serves(st.url)
+
+
+SURROGATE_BODIES = [  # lone UTF-16 surrogates, escaped as JSON allows; no UTF-8 text holds them
+    ("prompt", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "/v1/completions", "prompt"),
+    ("prompt-list", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "/v1/completions", "prompt"),
+    ("model", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', "/v1/completions", "model"),
+    ("chat-content", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "/v1/chat/completions", "messages"),
+    ("chat-part", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "/v1/chat/completions", "messages"),
+    ("key", b'{"\\ud800": 1, "prompt": "hi"}', "/v1/completions", None),
+    ("adapter-name", b'{"lora_name": "\\ud800", "lora_path": "good"}', "/v1/load_lora_adapter", "lora_name"),
+]
+
+
+@pytest.mark.parametrize("raw,route,param", [c[1:] for c in SURROGATE_BODIES], ids=[c[0] for c in SURROGATE_BODIES])
+def test_lone_surrogates_refused(env, raw, route, param):
+    st = env[0]
+    err = assert_error(post(st.url, route, content=raw), 400, "lone UTF-16 surrogate")
+    assert err["code"] == "invalid_unicode" and err["param"] == param
+    assert_serves(st.url)
+
+
+def test_deep_nesting_and_bad_utf8_refused(env):
+    st = env[0]
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_error(post(st.url, "/v1/completions", content=deep), 400, "nested deeper than 32 levels")
+    deep_obj = b'{"prompt": "hi", "x": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"
+    assert_error(post(st.url, "/v1/completions", content=deep_obj), 400, "nested deeper than 32 levels")
+    assert_error(post(st.url, "/v1/completions", content=b'{"prompt": "\xff\xfe"}'), 400, "not valid JSON")
+    # A surrogate encoded as UTF-8 bytes (which Python's json decodes with surrogatepass).
+    assert_error(post(st.url, "/v1/completions", content=b'{"prompt": "\xed\xa0\x80"}'), 400, "surrogate")
+    assert_serves(st.url)
+
+
+def health_latencies(url, work) -> tuple[float, object]:
+    """Run `work()` on a thread; meanwhile poll /health. (The slowest /health answer, work's result.)"""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", work()))
+    t.start()
+    worst = 0.0
+    with httpx.Client(timeout=60) as c:
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert c.get(url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.01)
+    t.join()
+    return worst, out["r"]
+
+
+def test_tokenizing_leaves_health_answering(env):
+    """A 6 MB body of 100 long prompts takes seconds to tokenize; /health answers throughout."""
+    st = env[0]
+    prompts = ["ab cd " * 10_000] * 100  # each under the characters limit, 60k tokens each
+    body = json.dumps({"model": SERVED[0], "prompt": prompts, "max_tokens": 2}).encode()
+    t0 = time.perf_counter()
+    worst, r = health_latencies(st.url, lambda: post(st.url, "/v1/completions", content=body))
+    took = time.perf_counter() - t0
+    assert_error(r, 400, "maximum context length is 1024", "prompt")
+    assert worst < max(1.0, took / 3), (worst, took)
+    assert_serves(st.url)
+
+
+def test_message_count_and_chat_characters_bounded(env):
+    """450k empty messages are refused before templating; names and roles count towards a chat's
+    characters, not only the contents."""
+    st = env[0]
+    many = {"messages": [{"role": "user", "content": ""}] * 450_000 + [{"role": "user", "content": "hi"}]}
+    worst, r = health_latencies(st.url, lambda: post(st.url, "/v1/chat/completions", many))
+    assert_error(r, 400, f"at most {MAX_MESSAGES} messages", "messages")
+    assert worst < 1.0, worst
+    named = {"messages": [{"role": "user", "name": "n" * 100, "content": ""}] * 1000 +
+             [{"role": "user", "content": "hi"}]}
+    assert_error(post(st.url, "/v1/chat/completions", named), 400, "far over the maximum context length", "messages")
+    assert_serves(st.url)
+
+
+def test_half_sent_body_times_out(env):
+    """A client that sends 10 of 1000 body bytes gets 408 (or a closed connection) within
+    --request-timeout; the others are served meanwhile."""
+    st = env[0]
+    socks = []
+    for _ in range(5):
+        s = socket.create_connection((st.host, st.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n" + b'{"prompt":')
+        socks.append(s)
+    t0 = time.monotonic()
+    assert_serves(st.url)
+    for s in socks:
+        s.settimeout(TIMEOUT + 10)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            pytest.fail("the half-sent request was still open after the timeout")
+        finally:
+            s.close()
+        assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
+        if got:
+            assert b'"code":"request_timeout"' in got.replace(b" ", b"")
+    assert time.monotonic() - t0 < TIMEOUT + 10
+
+
+def test_api_key_on_every_route_but_health_and_metrics(env):
+    st = env[0]
+    for path in ("/stats", "/openapi.json", "/v1/models", "/v1/adapters", "/nothing"):
+        assert_error(httpx.get(st.url + path), 401, "missing API key")
+        assert httpx.get(st.url + path, headers=H).status_code == (404 if path == "/nothing" else 200)
+    assert httpx.get(st.url + "/health").status_code == 200
+    assert httpx.get(st.url + "/metrics").status_code == 200
+
+
+def test_no_server_path_in_responses(env):
+    st, srv, allowed, model_dir = env
+    roots = [str(Path(model_dir).parent), str(allowed), os.path.realpath(allowed), str(Path.home())]
+    r = post(st.url, "/v1/load_lora_adapter", {"lora_name": "good", "lora_path": str(allowed / "good")})
+    assert r.status_code == 200, r.text
+    r = post(st.url, "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(allowed / "no-weights")})
+    assert r.status_code == 400
+    texts = [r.text, httpx.get(st.url + "/v1/models", headers=H).text,
+             httpx.get(st.url + "/v1/adapters", headers=H).text]
+    for t in texts:
+        for root in roots:
+            assert root not in t, (root, t[:400])
+    models = {m["id"]: m for m in httpx.get(st.url + "/v1/models", headers=H).json()["data"]}
+    assert models["good"]["root"] == "good"            # relative to its allowed directory
+    assert models[SERVED[0]]["root"] == SERVED[0]      # registered at start: its name
+    assert models["tiny"]["root"] == "tiny"
+    adapters = {a["name"]: a for a in httpx.get(st.url + "/v1/adapters", headers=H).json()["data"]}
+    assert adapters["good"]["path"] == "good" and adapters[SERVED[0]]["path"] == SERVED[0]
+    assert post(st.url, "/v1/unload_lora_adapter", {"lora_name": "good"}).status_code == 200
+    assert_serves(st.url)
+
+
+def test_engine_errors_name_no_path():
+    """An engine failure (an adapter's files gone from disk) reaches the client without the path."""
+    e = EngineError("engine step failed: [Errno 2] No such file or directory: "
+                    "'/srv/cache/adapters/customer-001/adapter_model.safetensors'", 500)
+    msg = from_engine_error(e).message
+    assert "/srv" not in msg and "customer-001" not in msg and "adapter_model.safetensors" in msg
+    assert hide_paths("cannot load '/a/b/allowed/x/y': bad", ["/a/b/allowed"]) == "cannot load 'x/y': bad"
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM drains
+
+
+def test_sigterm_drains(tmp_path_factory):
+    """SIGTERM: a short request finishes (200), a new one gets 503 + Retry-After, a long stream
+    and a long non-stream request past --shutdown-timeout end with an error event + [DONE] and
+    a 503; the process exits 0 and logs no traceback."""
+    model_dir, paths = demo_dir(tmp_path_factory)
+    cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
+           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup",
+           "--shutdown-timeout", "4", "--log-level", "info"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        line = p.stdout.readline()
+        m = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
+        assert m, (line, p.poll())
+        url = m.group(1)
+        short = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.0}
+        long = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=short, timeout=300).status_code == 200  # compiles
+        results = {}
+
+        def run(name, body, stream=False):
+            with httpx.Client(timeout=120) as c:
+                if stream:
+                    with c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                        results[name] = (r.status_code, [ln for ln in r.iter_lines() if ln])
+                else:
+                    r = c.post(url + "/v1/completions", json=body)
+                    results[name] = (r.status_code, r.json(), r.headers.get("Retry-After"))
+
+        threads = [threading.Thread(target=run, args=a) for a in
+                   (("long", long), ("long-stream", long, True))]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        threads.append(threading.Thread(target=run, args=("short-after", short)))
+        threads[-1].start()
+        for t in threads:
+            t.join(120)
+        status, body, retry = results["short-after"]
+        assert status == 503 and body["error"]["code"] == "shutting_down" and int(retry) >= 1, results["short-after"]
+        status, body, retry = results["long"]
+        assert status == 503 and "shutting down" in body["error"]["message"] and int(retry) >= 1, body
+        status, lines = results["long-stream"]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        err = json.loads(lines[-2][len("data: "):])
+        assert "shutting down" in err["error"]["message"], err
+        assert len(lines) > 3  # tokens streamed before the drain ended it
+        assert p.wait(60) == 0
+        log = p.stderr.read()
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# the demo's cache
+
+
+def test_demo_rebuilds_half_written_cache(tmp_path):
+    """A kill during the first start left an adapter directory with adapter_config.json and no
+    weights, and a model directory with config.json only: the next start rebuilds both."""
+    model_dir, adapters = prepare(tmp_path, 2, 0)
+    weights = (Path(adapters["customer-001"]) / "adapter_model.safetensors").read_bytes()
+    (Path(adapters["customer-001"]) / "adapter_model.safetensors").unlink()
+    (model_dir / "model.safetensors").unlink()
+    model_dir2, adapters2 = prepare(tmp_path, 2, 0)
+    assert (model_dir2, adapters2) == (model_dir, adapters)
+    assert (Path(adapters["customer-001"]) / "adapter_model.safetensors").read_bytes() == weights
+    assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+    leftovers = [p.name for p in [*tmp_path.iterdir(), *(tmp_path / "adapters").iterdir()] if p.name.startswith(".")]
+    assert leftovers == []
