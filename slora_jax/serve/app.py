@@ -62,6 +62,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from slora_jax.sampling import SamplingParams
 from slora_jax.serve.async_engine import AsyncEngine, EngineError, EngineMetrics
 from slora_jax.serve.chat import ChatFormatter
+from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
+                                    UnloadAdapterRequest, request_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
 from slora_jax.serve.protocol import (ADAPTER_NAME, CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, APIError, Choice,
                                       ClientGone, Limits, bad, chat_logprobs, check_adapter_path,
@@ -438,14 +440,14 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
 
         return SSEResponse(sse(), on_close=release_all)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         body = await json_body(request)
         adapter = srv.resolve_model(body)
         prompts = await asyncio.to_thread(parse_prompts, body, srv.llm.tokenizer, srv.limits)
         return await generate(request, body, prompts, adapter, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await json_body(request)
         adapter = srv.resolve_model(body)
@@ -487,7 +489,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                 a["path"] = srv.shown_path(a["path"], a.get("name", ""))
         return {"object": "list", "data": [{"object": "lora_adapter", **a} for a in data]}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadAdapterRequest))
     async def load_lora_adapter(request: Request):
         body = await json_body(request)
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -512,7 +514,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                       "invalid_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadAdapterRequest))
     async def unload_lora_adapter(request: Request):
         body = await json_body(request)
         name = body.get("lora_name")
