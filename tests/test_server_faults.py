@@ -5,8 +5,9 @@ overflow on the device (top_k past int32, seeds past int64, floats past a double
 the field; malformed Unicode and deep nesting are 400s; tokenizing a large body leaves /health
 answering; the message count and a chat's characters (names and roles too) are bounded; a body
 that stops half-way gets 408 within the timeout; every route but /health and /metrics wants the
-key; no response shows an absolute server path. Each case ends with the server still serving and
-its engine idle with no KV page held.
+key; no response shows an absolute server path; an adapter whose output overflows ends its own
+request with an error and never puts NaN into JSON. Each case ends with the server still serving
+and its engine idle with no KV page held.
 
 Also here: SIGTERM on `slora-jax serve` in a subprocess drains (new requests 503 + Retry-After,
 running ones finish or end with an error event and [DONE], no traceback logged), and the demo's
@@ -337,3 +338,47 @@ def test_demo_rebuilds_half_written_cache(tmp_path):
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
     leftovers = [p.name for p in [*tmp_path.iterdir(), *(tmp_path / "adapters").iterdir()] if p.name.startswith(".")]
     assert leftovers == []
+
+
+# ---------------------------------------------------------------------------------------------
+# an adapter whose output is not finite
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """A server whose one adapter has finite weights of 1e30, so its activations overflow."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    model_dir, paths = demo_dir(tmp_path_factory)
+    bad = tmp_path_factory.mktemp("overflow") / "huge"
+    shutil.copytree(paths[ALL_LINEAR[21]], bad)
+    f = bad / "adapter_model.safetensors"
+    save_file({k: np.full_like(v, 1e30) for k, v in load_file(f).items()}, f)
+    st, srv = start_server(model_dir, {"huge": str(bad)}, api_key=KEY)
+    yield st, srv
+    st.stop()
+
+
+def test_non_finite_output_ends_that_request_alone(overflowing):
+    """Logprobs of an overflowing adapter never reach JSON as NaN: its non-stream request gets a
+    500 of its own and its stream an error event and [DONE], both valid JSON; the server serves on."""
+    st, srv = overflowing
+    body = {"model": "huge", "prompt": text(4), "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    r = post(st.url, "/v1/completions", body)
+    assert b"NaN" not in r.content and b"Infinity" not in r.content, r.content[:300]
+    assert_error(r, 500, "not finite", None)
+    assert r.json()["error"]["code"] == "non_finite_output"
+    with httpx.stream("POST", st.url + "/v1/completions", json={**body, "stream": True}, headers=H, timeout=120) as r:
+        raw = r.read()
+    assert b"NaN" not in raw and b"Infinity" not in raw, raw[:300]
+    if r.status_code == 200:
+        events = [ln[len(b"data: "):] for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        parsed = [json.loads(e) for e in events[:-1]]
+        assert parsed[-1]["error"]["code"] == "non_finite_output", parsed[-1]
+    else:
+        assert_error(r, 500, "not finite", None)
+    ok = post(st.url, "/v1/completions", {"prompt": text(5), "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    s = wait_idle(st.url, headers=H)
+    assert s["kv_pages"] == 0 and srv.engine.in_flight == 0

@@ -183,11 +183,14 @@ class Server:
         async for _ in self.events(choices):
             pass
 
-    def check_aborted(self, choices: list[Choice]) -> None:
+    def check_failed(self, choices: list[Choice]) -> None:
+        """503 for a choice the engine aborted, 500 for one whose output was not finite."""
         for c in choices:
             if c.finish_reason == "abort":
                 raise APIError(503, f"the request was aborted: {c.abort_reason or 'no room'}; retry later",
                                None, "aborted", retry_after=1)
+            if c.finish_reason == "error":
+                raise APIError(500, c.error, None, "non_finite_output")
 
     def completion_logprobs(self, c: Choice, ids: list[int], lps: list[float], offset: int) -> dict | None:
         offsets, at = [], offset
@@ -357,7 +360,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                 await await_or_disconnect(request, srv.collect(choices), release_all)
             finally:
                 release_all()
-            srv.check_aborted(choices)
+            srv.check_failed(choices)
             out = []
             for c in choices:
                 if chat:
@@ -386,10 +389,10 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         except BaseException:
             release_all()
             raise
-        if first is not None and first[0].finish_reason == "abort" and not first[2]:
+        if first is not None and first[0].finish_reason in ("abort", "error") and not first[2]:
             await events.aclose()
             release_all()
-            srv.check_aborted([first[0]])
+            srv.check_failed([first[0]])
 
         text_offsets = {c.index: 0 for c in choices}
 
@@ -427,6 +430,9 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                 if aborted:
                     err = APIError(503, f"the request was aborted: {aborted[0].abort_reason}", None, "aborted")
                     yield sse_event(err.body())
+                failed = [c for c in choices if c.finish_reason == "error"]
+                if failed:
+                    yield sse_event(APIError(500, failed[0].error, None, "non_finite_output").body())
                 if extras["include_usage"]:
                     yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": model, "choices": [], "usage": usage(choices)})

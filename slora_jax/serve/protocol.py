@@ -429,13 +429,21 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None   # "error": the model's output was not finite
         self.abort_reason: str | None = None
+        self.error = ""
         self._hold = max((len(s) for s in stop), default=1) - 1  # text held back: a stop string may start there
 
     def feed(self, d: Delta) -> tuple[str, list[int], list[float]]:
         """New text, token ids and logprobs to send for delta `d` (stop strings applied)."""
         n0, t0 = len(self.token_ids), len(self.text)
+        if d.logprobs is not None and not all(math.isfinite(x) for x in d.logprobs):
+            # NaN or infinity in the model's output (an adapter whose weights overflow): the
+            # request ends here, for this client alone; nothing non-finite is ever sent.
+            self.finish_reason = "error"
+            self.error = (f"the model's output for choice {self.index} is not finite after {n0} tokens; "
+                          "the adapter's weights may overflow")
+            return "", [], []
         self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs.extend(d.logprobs)
