@@ -25,7 +25,9 @@ or their name.
 
 Errors come in OpenAI's shape (protocol.py): 400 invalid input, 401 API key, 404 unknown model or
 route, 429 too many requests in flight (Retry-After), 503 a request the engine aborted (no room,
-shutdown) or a dead engine (Retry-After), 500 an engine failure, 408 a body that does not arrive
+shutdown) or a dead engine (Retry-After), 500 an engine failure or an output that is not finite
+(code non_finite_output: that request alone ends; a stream ends with an error event and [DONE],
+finish_reason "error"), 408 a body that does not arrive
 within --request-timeout. Limits (protocol.py), checked before any tokenizing: the body's size and
 nesting (MAX_BODY_BYTES, MAX_JSON_DEPTH), prompts and messages a request (MAX_BATCH_PROMPTS,
 MAX_MESSAGES), the characters of a prompt or chat (CHARS_PER_TOKEN_LIMIT per token of context),

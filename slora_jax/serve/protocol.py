@@ -3,7 +3,10 @@ sampling parameters, chat messages, and the pieces of a response (text with stop
 logprobs, usage).
 
 Requests are plain JSON checked by hand, so every error names its parameter. Errors have OpenAI's
-shape, {"error": {"message", "type", "param", "code"}}.
+shape, {"error": {"message", "type", "param", "code"}}. `parse_json_body` refuses what the rest of
+the server cannot take (lone surrogates, NaN, deep nesting) before any field is read, and every
+number that reaches the device is range-checked, so one request can never fail a step shared with
+others. Messages built from exceptions go through `hide_paths`: no server path leaves the server.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
 stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
