@@ -4,11 +4,17 @@ The tiny model gets dummy weights, written out as a Hugging Face directory with 
 tokenizer, and a few dozen generated PEFT adapters of mixed ranks and targets. One mixed batch
 (adapters of every rank plus base-model rows) goes through the paged engine over a pool too small
 to keep every adapter resident, so adapters are paged in and evicted as the batch runs.
+
+The model and each adapter are written to a temporary directory and renamed into place
+(`build_into`), so a kill during the first start never leaves a cache that later starts trip on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +38,29 @@ def byte_level_tokenizer(path: Path) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
+MODEL_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def build_into(path: Path, files: tuple[str, ...], write) -> None:
+    """Make directory `path` with `write(tmp)` unless it already holds every one of `files`.
+
+    `write` fills a temporary directory beside `path`, which is then renamed into place, so a
+    process killed half-way leaves no half-written `path` behind; one left by an older writer
+    (some files missing) is removed and rebuilt."""
+    if all((path / f).is_file() for f in files):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare(workdir: Path, n_adapters: int, seed: int) -> tuple[Path, dict[str, str]]:
     from slora_jax.model.peft import random_peft_adapter
     from slora_jax.model.config import load_model_config
@@ -39,16 +68,18 @@ def prepare(workdir: Path, n_adapters: int, seed: int) -> tuple[Path, dict[str, 
 
     cfg = load_model_config("tiny")
     model_dir = workdir / "tiny"
-    if not (model_dir / "config.json").exists():
-        save_hf_weights(dummy_params(cfg, "float32", seed=seed), cfg, model_dir)
-        byte_level_tokenizer(model_dir)
+
+    def write_model(d: Path) -> None:
+        save_hf_weights(dummy_params(cfg, "float32", seed=seed), cfg, d)
+        byte_level_tokenizer(d)
+
+    build_into(model_dir, MODEL_FILES, write_model)
     adapters = {}
     for i in range(n_adapters):
         name = f"customer-{i:03d}"
         path = workdir / "adapters" / name
-        if not (path / "adapter_config.json").exists():
-            random_peft_adapter(path, cfg, rank=RANKS[i % len(RANKS)], targets=TARGETS[i % len(TARGETS)],
-                                seed=seed + i)
+        build_into(path, ADAPTER_FILES, lambda d, i=i: random_peft_adapter(
+            d, cfg, rank=RANKS[i % len(RANKS)], targets=TARGETS[i % len(TARGETS)], seed=seed + i))
         adapters[name] = str(path)
     return model_dir, adapters
 

@@ -89,11 +89,11 @@ class aligned:
         self.srv.engine.resume()
 
 
-def wait_idle(url, timeout=30.0) -> dict:
+def wait_idle(url, timeout=30.0, headers=None) -> dict:
     """/stats once nothing runs, waits or holds KV pages (fails after `timeout`)."""
     t0 = time.monotonic()
     while True:
-        s = httpx.get(url + "/stats").json()
+        s = httpx.get(url + "/stats", headers=headers).json()
         if s["running"] == 0 and s["waiting"] == 0 and s["kv_pages"] == 0 and s["requests_in_flight"] == 0:
             return s
         if time.monotonic() - t0 > timeout:
@@ -164,7 +164,9 @@ def test_adapter_status_endpoint(live, client):
         assert a["object"] == "lora_adapter" and a["pages"] > 0 and a["ranks"], a
         assert a["running"] == a["waiting"] == 0, a  # nothing in flight between requests
     assert data[ADAPTERS[1]]["resident"], data[ADAPTERS[1]]
-    assert data == {a["name"]: {"object": "lora_adapter", **a} for a in srv.llm.adapter_status()}
+    # The path is shown relative to its --allowed-adapter-dirs entry, never as a server path.
+    expect = {a["name"]: {"object": "lora_adapter", **a, "path": a["name"]} for a in srv.llm.adapter_status()}
+    assert data == expect
 
 
 def test_completions_match_generate(live, client):

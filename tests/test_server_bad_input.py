@@ -84,7 +84,7 @@ def assert_serves(url):
     r = post(url, "/v1/completions", {"model": SERVED[0], "prompt": text(1), "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["text"]) >= 0 and r.json()["usage"]["completion_tokens"] >= 1
-    s = wait_idle(url)
+    s = wait_idle(url, headers=H)
     assert s["kv_pages"] == 0
 
 
@@ -201,6 +201,7 @@ def test_api_key(env):
     assert_error(httpx.get(st.url + "/v1/models"), 401, "missing API key")
     assert_error(post(st.url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"}, headers={}), 401,
                  "missing API key")
+    assert_error(httpx.get(st.url + "/stats"), 401, "missing API key")
     # Health and metrics stay open, like vLLM's.
     assert httpx.get(st.url + "/health").status_code == 200
     assert httpx.get(st.url + "/metrics").status_code == 200
@@ -285,7 +286,7 @@ def in_background(fn):
 def wait_queued(url, n=1, timeout=30):
     import time
     t0 = time.monotonic()
-    while httpx.get(url + "/stats").json()["waiting"] < n:
+    while httpx.get(url + "/stats", headers=H).json()["waiting"] < n:
         assert time.monotonic() - t0 < timeout
         time.sleep(0.02)
 
@@ -361,7 +362,7 @@ def test_aborted_by_server_503(env):
 
 def test_no_leaks_at_the_end(env):
     st, srv = env[:2]
-    s = wait_idle(st.url)
+    s = wait_idle(st.url, headers=H)
     assert s["kv_pages"] == 0 and s["free_pages"] + s["adapter_pages"] == s["total_pages"]
     assert srv.engine.in_flight == 0
     assert os.path.isdir(env[2])  # nothing outside was touched

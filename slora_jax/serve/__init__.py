@@ -1,8 +1,10 @@
 """The OpenAI-compatible server over one `LLM`.
 
 protocol.py   request parsing and validation, the error shape, the pieces of a response
+schema.py     the request bodies as pydantic models, for /openapi.json (clients, fuzzers)
 chat.py       chat messages -> prompt token ids (the model's chat template)
 async_engine  the engine thread, and the queue between it and the HTTP handlers
-app.py        build_app: the FastAPI routes, middleware, streaming, metrics
+app.py        build_app: the FastAPI routes, middleware, metrics, graceful drain
+streaming.py  server-sent events; waiting on work while watching for a client disconnect
 cli.py        `slora-jax serve` (flags from EngineConfig), ServerThread
 """

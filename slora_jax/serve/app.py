@@ -17,16 +17,31 @@ Routes (vLLM's names and shapes where vLLM has them):
     GET  /stats                   Engine.stats() as JSON, read on the engine thread
 
 `model` in a request is the base model's name (--served-model-name) or an adapter's name; omitted,
-it is the base model. With an API key, every /v1 route wants `Authorization: Bearer <key>`.
+it is the base model. With an API key, every route wants `Authorization: Bearer <key>` except
+/health and /metrics, which stay open for probes and scrapers, as in vLLM. /metrics labels its
+counters by adapter name, as vLLM does: a scraper sees which adapters are in use. No response holds
+an absolute server path: adapters show their path relative to their --allowed-adapter-dirs entry,
+or their name.
 
 Errors come in OpenAI's shape (protocol.py): 400 invalid input, 401 API key, 404 unknown model or
 route, 429 too many requests in flight (Retry-After), 503 a request the engine aborted (no room,
-shutdown) or a dead engine (Retry-After), 500 an engine failure. Limits (protocol.py): the body
-size, prompts a request and stop strings (MAX_BODY_BYTES, MAX_BATCH_PROMPTS, MAX_STOP_STRINGS), and
-prompt + max_tokens within the model's context length.
+shutdown) or a dead engine (Retry-After), 500 an engine failure or an output that is not finite
+(code non_finite_output: that request alone ends; a stream ends with an error event and [DONE],
+finish_reason "error"), 408 a body that does not arrive
+within --request-timeout. Limits (protocol.py), checked before any tokenizing: the body's size and
+nesting (MAX_BODY_BYTES, MAX_JSON_DEPTH), prompts and messages a request (MAX_BATCH_PROMPTS,
+MAX_MESSAGES), the characters of a prompt or chat (CHARS_PER_TOKEN_LIMIT per token of context),
+stop strings and stop token ids, every number that reaches the device (top_k within int32, seed
+within int64), and prompt + max_tokens within the model's context length. Malformed Unicode (lone
+surrogates) and NaN or Infinity are 400s.
+
+Shutdown: `drain()` (the CLI calls it on SIGTERM) answers new requests 503 + Retry-After, lets those
+in flight finish for --shutdown-timeout seconds, then aborts the rest: a stream ends with an error
+event and [DONE], any other request gets 503.
 
 Threading: see async_engine.py. The engine runs on its own thread; HTTP handlers run on uvicorn's
-event loop and reach the engine only through `AsyncEngine`.
+event loop and reach the engine only through `AsyncEngine`. Body parsing, tokenizing and chat
+templating run in worker threads (asyncio.to_thread), so a large body never stalls the loop.
 """
 
 from __future__ import annotations
@@ -43,16 +58,20 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slora_jax.sampling import SamplingParams
 from slora_jax.serve.async_engine import AsyncEngine, EngineError, EngineMetrics
 from slora_jax.serve.chat import ChatFormatter
+from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
+                                    UnloadAdapterRequest, request_body)
+from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
 from slora_jax.serve.protocol import (ADAPTER_NAME, CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, APIError, Choice,
                                       ClientGone, Limits, bad, chat_logprobs, check_adapter_path,
-                                      completion_logprobs, from_engine_error, get_bool, parse_messages,
-                                      parse_prompts, sampling_params, usage)
+                                      completion_logprobs, from_engine_error, get_bool, hide_paths,
+                                      message_chars, parse_json_body, parse_messages, parse_prompts,
+                                      sampling_params, usage)
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +82,14 @@ class Server:
     """The state behind one FastAPI app: the LLM, its AsyncEngine, metrics and options."""
 
     def __init__(self, llm, served_model_name: str, api_key: str | None = None,
-                 allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096):
+                 allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096,
+                 request_timeout: float = 30.0):
         from prometheus_client import CollectorRegistry, Counter
         self.llm = llm
         self.base = served_model_name
         self.api_key = api_key
+        self.request_timeout = request_timeout
+        self.draining = False  # set by drain(): new requests get 503
         self.allowed = [os.path.realpath(d) for d in (allowed_adapter_dirs or [])]
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, served_model_name)
@@ -96,6 +118,30 @@ class Server:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return model
 
+    def shown_path(self, path: str, name: str) -> str:
+        """An adapter's directory as a client may see it: relative to its allowed directory, else
+        the adapter's name (a server path never leaves the server)."""
+        real = os.path.realpath(path)
+        for root in self.allowed:
+            if os.path.commonpath([real, root]) == root:
+                return os.path.relpath(real, root)
+        return name
+
+    async def drain(self, timeout: float, grace: float = 5.0) -> None:
+        """Graceful shutdown: refuse new requests (503), let those in flight finish for `timeout`
+        seconds, then abort the rest (streams end with an error event and [DONE], other requests
+        get 503) and wait up to `grace` seconds for their answers to go out."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        for wait in (timeout, grace):
+            end = loop.time() + wait
+            while self.engine.in_flight and loop.time() < end:
+                await asyncio.sleep(0.02)
+            if not self.engine.in_flight or not self.engine.alive:
+                return
+            if wait is timeout:
+                await self.engine.abort_in_flight("the server is shutting down")
+
     def piece(self, t: int) -> str:
         p = self._pieces.id_to_token(t) if self._pieces is not None else None
         return p if p is not None else f"token_id:{t}"
@@ -104,6 +150,8 @@ class Server:
 
     def submit(self, prompts: list[list[int]], sp: SamplingParams, adapter: str | None,
                extras: dict) -> list[Choice]:
+        if self.draining:
+            raise SHUTTING_DOWN
         q: asyncio.Queue = asyncio.Queue()
         choices = []
         try:
@@ -137,11 +185,14 @@ class Server:
         async for _ in self.events(choices):
             pass
 
-    def check_aborted(self, choices: list[Choice]) -> None:
+    def check_failed(self, choices: list[Choice]) -> None:
+        """503 for a choice the engine aborted, 500 for one whose output was not finite."""
         for c in choices:
             if c.finish_reason == "abort":
                 raise APIError(503, f"the request was aborted: {c.abort_reason or 'no room'}; retry later",
                                None, "aborted", retry_after=1)
+            if c.finish_reason == "error":
+                raise APIError(500, c.error, None, "non_finite_output")
 
     def completion_logprobs(self, c: Choice, ids: list[int], lps: list[float], offset: int) -> dict | None:
         offsets, at = [], offset
@@ -187,8 +238,14 @@ class _EngineCollector:
         yield g
 
 
+SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on another replica", None, "shutting_down",
+                         retry_after=5)
+OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key, and during a drain
+
+
 class _AuthAndCount:
-    """ASGI middleware: the API key on /v1 routes, and a response counter by status."""
+    """ASGI middleware: the API key on every route but OPEN_ROUTES, 503 for new requests while the
+    server drains, and a response counter by status."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server
@@ -204,57 +261,28 @@ class _AuthAndCount:
                 counter.labels(str(message["status"])).inc()
             await send(message)
 
-        if self.key is not None and scope["path"].startswith("/v1"):
+        open_route = scope["path"] in OPEN_ROUTES
+        if self.key is not None and not open_route:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.key):
                 msg = "missing API key: send Authorization: Bearer <key>" if not got else "invalid API key"
                 err = APIError(401, msg, None, "invalid_api_key")
                 return await err.response()(scope, receive, counting_send)
+        if self.server.draining and not open_route:
+            return await SHUTTING_DOWN.response()(scope, receive, counting_send)
         return await self.app(scope, receive, counting_send)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _await_or_disconnect(request, awaitable, on_disconnect=None):
-    """Await `awaitable` unless the client disconnects first (then cancel it and raise ClientGone)."""
-    task = asyncio.ensure_future(awaitable)
-
-    async def disconnected():
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - cancelled on purpose
-        pass
-    if on_disconnect is not None:
-        on_disconnect()
-    raise ClientGone()
-
-
 def build_app(llm, served_model_name: str | None = None, *, api_key: str | None = None,
-              allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096):
+              allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096,
+              request_timeout: float = 30.0):
     """The FastAPI app over `llm`. The engine thread starts and stops with the app's lifespan.
 
-    `app.state.server` is the `Server` (its `.engine` is the AsyncEngine, `.llm` the LLM)."""
+    `app.state.server` is the `Server` (its `.engine` is the AsyncEngine, `.llm` the LLM).
+    request_timeout: seconds a client has to send a request body (then 408)."""
 
     srv = Server(llm, served_model_name or Path(str(llm.model)).name, api_key, allowed_adapter_dirs,
-                 max_in_flight)
+                 max_in_flight, request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -287,23 +315,32 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
     @app.exception_handler(Exception)
     async def _internal(request, e):
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error").response()
+        return APIError(500, hide_paths(f"internal error: {type(e).__name__}: {e}", srv.allowed), None,
+                        "internal_error").response()
+
+    too_large = bad(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", None, "body_too_large")
 
     async def json_body(request: Request) -> dict:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise bad(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", None, "body_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        """The body as a JSON object, read within --request-timeout and parsed off the event loop."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise too_large
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                chunks.append(chunk)
+            return b"".join(chunks)
+
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object", None, "invalid_json")
-        return body
+            raw = await asyncio.wait_for(read(), srv.request_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within --request-timeout "
+                           f"({srv.request_timeout:g} s)", None, "request_timeout") from None
+        return await asyncio.to_thread(parse_json_body, raw)
 
     # -- generation endpoints ------------------------------------------------------------------
 
@@ -322,10 +359,10 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
 
         if not extras["stream"]:
             try:
-                await _await_or_disconnect(request, srv.collect(choices), release_all)
+                await await_or_disconnect(request, srv.collect(choices), release_all)
             finally:
                 release_all()
-            srv.check_aborted(choices)
+            srv.check_failed(choices)
             out = []
             for c in choices:
                 if chat:
@@ -348,16 +385,16 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         # abort before any token still gets its own status code.
         events = srv.events(choices)
         try:
-            first = await _await_or_disconnect(request, events.__anext__(), release_all)
+            first = await await_or_disconnect(request, events.__anext__(), release_all)
         except StopAsyncIteration:
             first = None
         except BaseException:
             release_all()
             raise
-        if first is not None and first[0].finish_reason == "abort" and not first[2]:
+        if first is not None and first[0].finish_reason in ("abort", "error") and not first[2]:
             await events.aclose()
             release_all()
-            srv.check_aborted([first[0]])
+            srv.check_failed([first[0]])
 
         text_offsets = {c.index: 0 for c in choices}
 
@@ -388,33 +425,37 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         async def sse():
             try:
                 if first is not None:
-                    yield _sse(chunk(*first))
+                    yield sse_event(chunk(*first))
                     async for ev in events:
-                        yield _sse(chunk(*ev))
+                        yield sse_event(chunk(*ev))
                 aborted = [c for c in choices if c.finish_reason == "abort"]
                 if aborted:
                     err = APIError(503, f"the request was aborted: {aborted[0].abort_reason}", None, "aborted")
-                    yield _sse(err.body())
+                    yield sse_event(err.body())
+                failed = [c for c in choices if c.finish_reason == "error"]
+                if failed:
+                    yield sse_event(APIError(500, failed[0].error, None, "non_finite_output").body())
                 if extras["include_usage"]:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": model, "choices": [], "usage": usage(choices)})
                 yield "data: [DONE]\n\n"
             except APIError as e:
-                yield _sse(e.body())
+                yield sse_event(e.body())
                 yield "data: [DONE]\n\n"
             finally:
                 await events.aclose()
                 release_all()
 
-        return _SSEResponse(sse(), on_close=release_all)
+        return SSEResponse(sse(), on_close=release_all)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         body = await json_body(request)
         adapter = srv.resolve_model(body)
-        return await generate(request, body, parse_prompts(body, srv.llm.tokenizer, srv.limits), adapter, chat=False)
+        prompts = await asyncio.to_thread(parse_prompts, body, srv.llm.tokenizer, srv.limits)
+        return await generate(request, body, prompts, adapter, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await json_body(request)
         adapter = srv.resolve_model(body)
@@ -422,11 +463,12 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         if srv.llm.tokenizer is None:
             raise bad("this model has no tokenizer.json, so it cannot chat; use /v1/completions with "
                       "token ids", "messages")
-        text_len = sum(len(m["content"]) for m in messages)
+        text_len = message_chars(messages)
         if text_len > srv.limits.max_model_len * CHARS_PER_TOKEN_LIMIT:
-            raise bad(f"the messages' {text_len} characters are far over the maximum context length",
-                      "messages", "context_length_exceeded")
-        ids = srv.chat.encode(messages)
+            raise bad(f"the messages' {text_len} characters (roles and template included) are far over "
+                      f"the maximum context length of {srv.limits.max_model_len} tokens", "messages",
+                      "context_length_exceeded")
+        ids = await asyncio.to_thread(srv.chat.encode, messages)
         return await generate(request, body, [ids], adapter, chat=True)
 
     # -- models and adapters -------------------------------------------------------------------
@@ -434,11 +476,12 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
     @app.get("/v1/models")
     async def models():
         base = {"id": srv.base, "object": "model", "created": srv.created, "owned_by": "slora-jax",
-                "root": srv.llm.model, "parent": None, "max_model_len": srv.limits.max_model_len}
+                "root": srv.base, "parent": None, "max_model_len": srv.limits.max_model_len}
         data = [base]
         for name, entry in sorted(dict(srv.llm.store.entries).items()):  # a copy: the engine thread may add
             data.append({"id": name, "object": "model", "created": srv.created, "owned_by": "slora-jax",
-                         "root": entry.path, "parent": srv.base, "max_model_len": srv.limits.max_model_len})
+                         "root": srv.shown_path(entry.path, name), "parent": srv.base,
+                         "max_model_len": srv.limits.max_model_len})
         return {"object": "list", "data": data}
 
     @app.get("/v1/adapters")
@@ -449,9 +492,12 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
             data = await srv.engine.call(srv.llm.adapter_status)
         except EngineError as e:
             raise from_engine_error(e) from None
+        for a in data:
+            if "path" in a:
+                a["path"] = srv.shown_path(a["path"], a.get("name", ""))
         return {"object": "list", "data": [{"object": "lora_adapter", **a} for a in data]}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadAdapterRequest))
     async def load_lora_adapter(request: Request):
         body = await json_body(request)
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -472,10 +518,11 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         except EngineError as e:
             raise from_engine_error(e) from None
         except (ValueError, OSError) as e:
-            raise bad(f"cannot load adapter {name!r}: {e}", "lora_path", "invalid_adapter") from None
+            raise bad(hide_paths(f"cannot load adapter {name!r}: {e}", srv.allowed), "lora_path",
+                      "invalid_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadAdapterRequest))
     async def unload_lora_adapter(request: Request):
         body = await json_body(request)
         name = body.get("lora_name")
@@ -498,6 +545,8 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
 
     @app.get("/health")
     async def health():
+        if srv.draining:
+            return SHUTTING_DOWN.response()
         if not srv.engine.alive:
             return APIError(503, "the engine is not running", None, "engine_dead", retry_after=5).response()
         return Response(status_code=200)
@@ -522,42 +571,3 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
 
     app.add_middleware(_AuthAndCount, server=srv)
     return app
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-sent events that stop (and abort the request) as soon as the client disconnects,
-    whatever the ASGI spec version, and always close their generator."""
-
-    def __init__(self, gen, on_close):
-        super().__init__(gen, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.gen, self.on_close = gen, on_close
-
-    async def __call__(self, scope, receive, send):
-        async def pump():
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.gen:
-                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch():
-            while True:
-                if (await receive())["type"] == "http.disconnect":
-                    return
-
-        pump_t, watch_t = asyncio.ensure_future(pump()), asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({pump_t, watch_t}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (pump_t, watch_t):
-                t.cancel()
-            for t in (pump_t, watch_t):
-                try:
-                    await t
-                except (asyncio.CancelledError, OSError):
-                    pass
-                except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
-                    log.debug("stream ended with an error", exc_info=True)
-            await self.gen.aclose()
-            self.on_close()
-

@@ -246,6 +246,10 @@ class AsyncEngine:
         Call from any thread but the event loop's."""
         return self.call_future(lambda: self._abort_all(why)).result()
 
+    async def abort_in_flight(self, why: str) -> int:
+        """`abort_all` from the event loop (a graceful shutdown's last step)."""
+        return await self.call(lambda: self._abort_all(why))
+
     async def stats(self) -> dict:
         """Engine stats, read on the engine thread (exact: never in the middle of a step)."""
         return await self.call(self._stats)

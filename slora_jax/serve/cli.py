@@ -106,6 +106,21 @@ def at_least(lo: int):
     return parse
 
 
+def float_at_least(lo: float, open_interval: bool):
+    def parse(v: str) -> float:
+        x = float(v)
+        if not (x > lo if open_interval else x >= lo) or x != x or x == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if open_interval else '>='} {lo:g}, "
+                                             f"got {v}")
+        return x
+    parse.__name__ = "number"
+    return parse
+
+
+positive_float = float_at_least(0.0, True)
+non_negative_float = float_at_least(0.0, False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slora-jax serve", description="OpenAI-compatible server for one base "
                                  "model and many LoRA adapters. Without --model: the embedded default (the "
@@ -128,12 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=at_least(0), default=8000)
     http.add_argument("--api-key", default=os.environ.get("SLORA_API_KEY"),
-                      help="require Authorization: Bearer <key> on /v1 routes (env SLORA_API_KEY)")
+                      help="require Authorization: Bearer <key> on every route except /health and /metrics, "
+                      "which stay open for probes and scrapers as in vLLM (env SLORA_API_KEY)")
     http.add_argument("--allowed-adapter-dirs", nargs="+", default=None, metavar="DIR",
                       help="directories that /v1/load_lora_adapter may load from (default: none, loading "
                       "at run time is off)")
     http.add_argument("--max-queued-requests", type=at_least(0), default=4096,
                       help="requests in flight beyond --max-num-seqs before new ones get 429")
+    http.add_argument("--request-timeout", type=positive_float, default=30.0,
+                      help="seconds a client has to send its request body, then 408 (default: 30)")
+    http.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                      help="on SIGTERM: new requests get 503, running ones get this many seconds to finish, "
+                      "then streams end with an error event and others get 503 (default: 30)")
     http.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
     start = ap.add_argument_group("start-up")
     start.add_argument("--no-warmup", action="store_true", help="skip compiling the step shapes at start-up")
@@ -173,12 +194,14 @@ def main(argv: list[str] | None = None) -> None:
         # buckets: its warm-up compiles the base model's only.
         llm.warmup(max_context=llm.max_model_len, workers=args.warmup_workers, lora=args.model is not None)
     app = build_app(llm, name or args.model, api_key=args.api_key, allowed_adapter_dirs=args.allowed_adapter_dirs,
-                    max_in_flight=config.max_num_seqs + args.max_queued_requests)
+                    max_in_flight=config.max_num_seqs + args.max_queued_requests,
+                    request_timeout=args.request_timeout)
 
     import uvicorn
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server = draining_server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5),
+                             args.shutdown_timeout)
 
     async def run():
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -191,6 +214,37 @@ def main(argv: list[str] | None = None) -> None:
         await task
 
     asyncio.run(run())
+
+
+def draining_server(config, shutdown_timeout: float):
+    """A uvicorn.Server whose first SIGTERM or SIGINT drains the app (`Server.drain`) before uvicorn
+    stops; a second signal stops at once, as plain uvicorn does."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task | None = None
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            if self.loop is None or self.drain_task is not None or not self.started:
+                return super().handle_exit(sig, frame)
+            self.loop.call_soon_threadsafe(self.start_drain)
+
+        def start_drain(self):
+            if self.drain_task is None:
+                self.drain_task = self.loop.create_task(self.drain_then_exit())
+
+        async def drain_then_exit(self):
+            try:
+                await config.app.state.server.drain(shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    return DrainingServer(config)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -3,7 +3,10 @@ sampling parameters, chat messages, and the pieces of a response (text with stop
 logprobs, usage).
 
 Requests are plain JSON checked by hand, so every error names its parameter. Errors have OpenAI's
-shape, {"error": {"message", "type", "param", "code"}}.
+shape, {"error": {"message", "type", "param", "code"}}. `parse_json_body` refuses what the rest of
+the server cannot take (lone surrogates, NaN, deep nesting) before any field is read, and every
+number that reaches the device is range-checked, so one request can never fail a step shared with
+others. Messages built from exceptions go through `hide_paths`: no server path leaves the server.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
 stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
@@ -17,6 +20,7 @@ are refused with 400 rather than silently ignored.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -26,9 +30,16 @@ from slora_jax.sampling import SamplingParams
 from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024        # the longest stop string
+MAX_STOP_TOKEN_IDS = 64
 MAX_BATCH_PROMPTS = 256
+MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 16 << 20
+MAX_JSON_DEPTH = 32          # nesting of objects and lists in a request body
 CHARS_PER_TOKEN_LIMIT = 64   # text longer than max_model_len * this is refused before tokenizing
+MESSAGE_CHARS = 16           # what a chat template adds per message, at least, counted before rendering
+INT32_MAX = 2**31 - 1        # top_k reaches the device as int32
+SEED_RANGE = (-(2**63), 2**63 - 1)
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,255}$")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -38,7 +49,8 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class APIError(Exception):
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry_after: float | None = None):
@@ -51,7 +63,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self):
-        headers = {"Retry-After": str(int(max(1, round(self.retry_after))))} if self.retry_after else None
+        headers = {"Retry-After": str(int(max(1, round(self.retry_after))))} if self.retry_after else {}
+        if self.status == 408:  # the rest of the body may still come: end the connection instead
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -61,11 +75,69 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 def from_engine_error(e: EngineError) -> APIError:
     code = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded"}.get(e.status)
-    return APIError(e.status, str(e), None, code, e.retry_after)
+    return APIError(e.status, hide_paths(str(e)), None, code, e.retry_after)
+
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.])/[^\s'\",:;()\[\]{}]+")
+
+
+def hide_paths(message: str, roots: list[str] = ()) -> str:
+    """`message` with no absolute server path: a path under one of `roots` (the allowed adapter
+    directories) becomes relative to it, any other absolute path its last component. For messages
+    built from exceptions, which may name files the client never sent."""
+    for root in sorted(roots, key=len, reverse=True):
+        message = message.replace(root.rstrip(os.sep) + os.sep, "")
+    return ABSOLUTE_PATH.sub(lambda m: os.path.basename(m.group(0).rstrip("/")) or "<path>", message)
 
 
 class ClientGone(Exception):
     """The client disconnected before the server answered."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the body
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """A request body as a JSON object: valid UTF-8 and JSON without NaN or Infinity, nested at most
+    MAX_JSON_DEPTH deep, and no lone surrogates (escaped "\\ud800" halves that no UTF-8 text holds,
+    which the tokenizer and the response encoder cannot take). Anything else is a 400."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise bad(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_json")
+    stack = [(body, 1, None)]
+    while stack:  # iterative: a deep body must not exhaust Python's stack here either
+        value, depth, param = stack.pop()
+        if isinstance(value, str):
+            if SURROGATE.search(value):
+                raise bad("a string in the request body holds a lone UTF-16 surrogate (malformed Unicode)",
+                          param, "invalid_unicode")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                top = k if depth == 1 else param
+                if SURROGATE.search(k):
+                    raise bad("a key in the request body holds a lone UTF-16 surrogate (malformed Unicode)",
+                              param, "invalid_unicode")
+                stack.append((v, depth + 1, top))
+        else:
+            stack.extend((v, depth + 1, param) for v in value)
+    return body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,8 +170,11 @@ def get_number(body: dict, name: str, lo: float, hi: float, default, lo_open: bo
         return default
     if not is_number(v):
         raise bad(f"{name} must be a number, got {json.dumps(v)}", name, "invalid_type")
-    v = float(v)
-    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+    try:
+        v = float(v)
+    except OverflowError:  # an integer too large for a float
+        v = math.inf
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:  # NaN fails both
         raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}", name)
     return v
 
@@ -186,14 +261,16 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
                   f"completion). Please reduce the prompt or {mt_name}.", mt_name, "context_length_exceeded")
     temperature = get_number(body, "temperature", 0.0, 2.0, 1.0)
     top_p = get_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
-    top_k = get_int(body, "top_k", -1, None, 0)
-    seed = get_int(body, "seed")
+    top_k = get_int(body, "top_k", -1, INT32_MAX, 0)
+    seed = get_int(body, "seed", *SEED_RANGE)
     ignore_eos = get_bool(body, "ignore_eos")
     ttft_slo = get_number(body, "ttft_slo", 0.0, 3600.0, None, lo_open=True)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < limits.vocab for t in stop_ids):
             raise bad(f"stop_token_ids must be a list of token ids in [0, {limits.vocab})", "stop_token_ids")
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -203,6 +280,8 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         raise bad("stop must be a non-empty string or a list of non-empty strings", "stop", "invalid_type")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     if chat:
         want_lp = get_bool(body, "logprobs")
         top_lp = get_int(body, "top_logprobs", 0, 20)
@@ -301,6 +380,8 @@ def parse_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list", "messages", "invalid_type")
+    if len(msgs) > MAX_MESSAGES:
+        raise bad(f"at most {MAX_MESSAGES} messages per request, got {len(msgs)}", "messages")
     out = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
@@ -333,6 +414,12 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
+def message_chars(messages: list[dict]) -> int:
+    """The characters a chat prompt has at least: every role, name and content, and what the
+    template adds around each message."""
+    return sum(len(m["role"]) + len(m["content"]) + len(m.get("name", "")) + MESSAGE_CHARS for m in messages)
+
+
 # ---------------------------------------------------------------------------------------------
 # response pieces
 
@@ -345,13 +432,21 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None   # "error": the model's output was not finite
         self.abort_reason: str | None = None
+        self.error = ""
         self._hold = max((len(s) for s in stop), default=1) - 1  # text held back: a stop string may start there
 
     def feed(self, d: Delta) -> tuple[str, list[int], list[float]]:
         """New text, token ids and logprobs to send for delta `d` (stop strings applied)."""
         n0, t0 = len(self.token_ids), len(self.text)
+        if d.logprobs is not None and not all(math.isfinite(x) for x in d.logprobs):
+            # NaN or infinity in the model's output (an adapter whose weights overflow): the
+            # request ends here, for this client alone; nothing non-finite is ever sent.
+            self.finish_reason = "error"
+            self.error = (f"the model's output for choice {self.index} is not finite after {n0} tokens; "
+                          "the adapter's weights may overflow")
+            return "", [], []
         self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs.extend(d.logprobs)

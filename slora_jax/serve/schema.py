@@ -1,0 +1,96 @@
+"""Request bodies as pydantic models, for the OpenAPI schema at /openapi.json only.
+
+The routes read their bodies by hand (protocol.py), so every error is a 400 that names its
+parameter; these models describe the same fields and bounds to clients and to API fuzzers
+(schemathesis), and are attached to each route with FastAPI's `openapi_extra`, which documents a
+body without validating it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from slora_jax.serve.protocol import (ADAPTER_NAME, INT32_MAX, MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_STOP_CHARS,
+                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MESSAGE_ROLES, SEED_RANGE)
+
+Text = Annotated[str, Field(min_length=1)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="the base model's name or an adapter's; omitted: the base model")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    n: int | None = Field(None, ge=1, le=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    ttft_slo: float | None = Field(None, gt=0.0, le=3600.0)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[Text, TokenIds, Annotated[list[Union[Text, TokenIds]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]] = Field(
+        ..., description="text or token ids (each below the model's vocabulary size), or a list of such prompts")
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal[MESSAGE_ROLES]
+    content: Union[str, list[TextPart]] = Field(..., description="may be null for an assistant message")
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class LoadAdapterRequest(BaseModel):
+    lora_name: str = Field(..., pattern=ADAPTER_NAME.pattern)
+    lora_path: str = Field(..., min_length=1, description="a directory under --allowed-adapter-dirs")
+    load_inplace: bool | None = None
+
+
+class UnloadAdapterRequest(BaseModel):
+    lora_name: str = Field(..., min_length=1)
+
+
+def _inline(node, defs: dict):
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref[len("#/$defs/"):]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route whose JSON body `model` describes (its sub-models inlined)."""
+    schema = model.model_json_schema()
+    schema = _inline(schema, schema.get("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
