@@ -33,6 +33,7 @@ in-kernel reads of ctx_lens and the page table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -42,14 +43,24 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.fuser  # noqa: F401 (see pallas_kernels/lora.py)
 from jax.experimental.pallas import triton as plgpu
 
-# Block sizes by the pool's item size. Not yet tuned on a GPU. block_tokens: tokens per K/V tile (a
-# power of two >= 16, the dots' N and K sides; K and V tiles of 16 KiB each at head_dim 128, so
-# two pipeline stages leave room for a few programs per SM); min_programs: the auto split count
-# aims for at least this many programs (two per SM of an H200's 132); max_splits caps it.
-BLOCKS = {
-    2: dict(block_tokens=64, num_warps=4, num_stages=2, min_programs=264, max_splits=16),
-    4: dict(block_tokens=32, num_warps=4, num_stages=2, min_programs=264, max_splits=16),
-}
+@dataclasses.dataclass(frozen=True)
+class AttentionBlockSizes:
+    """The decode kernel's settings. block_tokens: tokens per K/V tile (a power of two >= 16, the
+    dots' N and K sides; K and V tiles of 16 KiB each at head_dim 128, so two pipeline stages leave
+    room for a few programs per SM); min_programs: the auto split count aims for at least this
+    many programs (two per SM of an H200's 132); max_splits caps it. Not yet tuned on a GPU."""
+    block_tokens: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_programs: int = 264
+    max_splits: int = 16
+
+    @classmethod
+    def get_default(cls, dtype) -> "AttentionBlockSizes":
+        """Tiles of the same bytes for every pool dtype: 64 tokens at 2 bytes, 32 at 4."""
+        return cls(block_tokens=64 if jnp.dtype(dtype).itemsize <= 2 else 32)
+
+
 MIN_DOT = 16  # Triton's smallest dot side: the query group is padded to this many rows
 
 
@@ -126,18 +137,14 @@ def _decode_kernel(ctx_ref, pt_ref, q_ref, k_new_ref, v_new_ref, rows_ref, *out_
 # Builder: grid, split count and the pallas_call; then the merge of the splits.
 
 
-def _blocks(dtype) -> dict:
-    return BLOCKS[jnp.dtype(dtype).itemsize]
+def _auto_splits(batch: int, kv_heads: int, max_blocks: int, sizes: AttentionBlockSizes) -> int:
+    want = -(-sizes.min_programs // (batch * kv_heads))
+    return max(1, min(want, max_blocks, sizes.max_splits))
 
 
-def _auto_splits(batch: int, kv_heads: int, max_blocks: int, blocks: dict) -> int:
-    want = -(-blocks["min_programs"] // (batch * kv_heads))
-    return max(1, min(want, max_blocks, blocks["max_splits"]))
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_tokens", "num_splits", "sizes"))
 def _decode(q, k_new, v_new, pool_layer, page_table, ctx_lens, *, interpret, block_tokens,
-            num_splits):
+            num_splits, sizes: AttentionBlockSizes):
     bsz, nh, d = q.shape
     kvh = k_new.shape[1]
     num_pages, _, ps, width = pool_layer.shape
@@ -153,9 +160,8 @@ def _decode(q, k_new, v_new, pool_layer, page_table, ctx_lens, *, interpret, blo
         out_shape = (jax.ShapeDtypeStruct((num_splits, bsz, nh, d), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, bsz, nh), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, bsz, nh), jnp.float32))
-    blocks = _blocks(pool_layer.dtype)
     compiler_params = None if interpret else plgpu.CompilerParams(
-        num_warps=blocks["num_warps"], num_stages=blocks["num_stages"])
+        num_warps=sizes.num_warps, num_stages=sizes.num_stages)
     out = pl.pallas_call(
         kernel,
         grid=(bsz, kvh, num_splits),
@@ -186,7 +192,8 @@ def _pow2_at_least_16(n: int) -> bool:
 
 
 def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *, interpret=None,
-                           block_tokens: int | None = None, num_splits: int | None = None):
+                           block_tokens: int | None = None, num_splits: int | None = None,
+                           block_sizes: AttentionBlockSizes | None = None):
     """Attention of one new token per sequence over its context in the pool and itself.
 
     q [B, nh, d]; k_new, v_new [B, kvh, d]: this step's token (not yet in the pool); pool_layer
@@ -194,13 +201,14 @@ def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
     never read); ctx_lens [B] int32: tokens already in the pool (0 allowed, at most P * page_size).
     Returns [B, nh, d] in q's dtype; scale 1/sqrt(d), f32 accumulation, dots in the pool's dtype.
     num_splits: programs per (sequence, kv head) along the context (None: enough to fill the GPU).
+    block_sizes: the kernel's settings (None: AttentionBlockSizes.get_default for the pool's dtype).
     """
     bsz, nh, d = q.shape
     kvh = k_new.shape[1]
     assert nh % kvh == 0 and pool_layer.shape[3] == kvh * d, (q.shape, k_new.shape,
                                                               pool_layer.shape)
-    blocks = _blocks(pool_layer.dtype)
-    block_tokens = blocks["block_tokens"] if block_tokens is None else block_tokens
+    sizes = block_sizes or AttentionBlockSizes.get_default(pool_layer.dtype)
+    block_tokens = sizes.block_tokens if block_tokens is None else block_tokens
     if not _pow2_at_least_16(block_tokens):
         raise ValueError(f"block_tokens must be a power of two >= 16, got {block_tokens}")
     if not _pow2_at_least_16(d):
@@ -213,11 +221,11 @@ def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
                          "use fewer pages per layer")
     max_blocks = -(-page_table.shape[1] * pool_layer.shape[2] // block_tokens)
     if num_splits is None:
-        num_splits = _auto_splits(bsz, kvh, max_blocks, blocks)
+        num_splits = _auto_splits(bsz, kvh, max_blocks, sizes)
     num_splits = max(1, min(int(num_splits), max_blocks))
     return _decode(q, k_new, v_new, pool_layer, page_table, ctx_lens,
                    interpret=interpret, block_tokens=block_tokens,
-                   num_splits=num_splits)
+                   num_splits=num_splits, sizes=sizes)
 
 
 # ---------------------------------------------------------------------------------------------

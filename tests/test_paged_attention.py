@@ -12,6 +12,8 @@ catches what the Triton lowering refuses.
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 import zlib
 
@@ -173,11 +175,19 @@ def test_rejects_bad_block_tokens():
 
 def test_auto_splits():
     """Enough programs to fill an H200, never more splits than blocks or the cap."""
-    blocks = dict(min_programs=264, max_splits=16)
+    blocks = pa.AttentionBlockSizes(min_programs=264, max_splits=16)
     assert pa._auto_splits(64, 8, 16, blocks) == 1     # 512 programs already
     assert pa._auto_splits(4, 8, 16, blocks) == 9      # 32 programs -> 288
     assert pa._auto_splits(1, 8, 4, blocks) == 4       # short contexts: one split per block
-    assert pa._auto_splits(1, 1, 1000, blocks) == blocks["max_splits"]
+    assert pa._auto_splits(1, 1, 1000, blocks) == blocks.max_splits
+
+
+def test_block_sizes_are_frozen_and_follow_the_pool_dtype():
+    """Tiles of the same bytes for each pool dtype; the settings cannot be changed in place."""
+    assert pa.AttentionBlockSizes.get_default(jnp.bfloat16).block_tokens == 64
+    assert pa.AttentionBlockSizes.get_default(jnp.float32).block_tokens == 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pa.AttentionBlockSizes().block_tokens = 16
 
 
 class TestTritonLowering:
