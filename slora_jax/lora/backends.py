@@ -16,6 +16,7 @@ module's LoRA delta into the base projection's output y. Three backends:
 
 from __future__ import annotations
 
+import abc
 import collections
 
 import numpy as np
@@ -27,7 +28,7 @@ from slora_jax.lora.inputs import QKV, LoraInputs, qkv_group, shrink_launches, s
 from slora_jax.lora.xla import lora_xla_expand, lora_xla_shrink
 
 
-class LoraBackend:
+class LoraBackend(abc.ABC):
     """One LoRA backend: `plan` (host, numpy) and `apply` (device, inside the step)."""
     name = ""
 
@@ -38,11 +39,11 @@ class LoraBackend:
         return LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, max_rank=max_rank,
                           backend=self.name)
 
+    @abc.abstractmethod
     def apply(self, lora: LoraInputs, pool_layer, module: str, key, x, y, fin: int, fout: int, *, reduce,
               cache: dict):
         """y + module's delta of x. key: the model's x, by which q, k and v share one shrink
         (cache holds it for the step's layer); reduce: sums xa across tensor-parallel devices."""
-        raise NotImplementedError
 
 
 class XlaBackend(LoraBackend):
