@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+_LANES = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraBlocks:
@@ -122,7 +124,7 @@ def _shrink_kernel(item_block, item_slot, bounds, ranks, a_rows, x_ref, pool_hbm
         out_ref[...] = jnp.zeros_like(out_ref)
 
     rows, a = _live_rows(bounds, slot, block, block_t, ranks[slot], buf[half])
-    x = x_ref[...]
+    x = x_ref[:, pl.ds(pl.multiple_of(k * a.shape[1], _LANES), a.shape[1])]  # chunk k: whole lane tiles
     part = jax.lax.dot_general(x, a.astype(x.dtype), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)  # [block_t, R]
     out_ref[...] = jnp.where(rows, out_ref[...] + part, out_ref[...])
@@ -168,6 +170,8 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
     t, fin = x.shape
     w = rows.shape[1]
     chunks = _check(rows, fin)
+    if w % _LANES:
+        raise ValueError(f"the pool's row width {w} must be a multiple of {_LANES} lanes")
     bt = blocks.block_t
     tp, rp = _round_up(t, bt), _round_up(max_rank, 16)
     x = jnp.pad(x, ((0, tp - t), (0, 0)))
@@ -179,7 +183,8 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=grid,
-            in_specs=[pl.BlockSpec((bt, w), lambda i, k, ib, *_: (ib[i], k)),
+            # x's whole rows: consecutive items of one block share one copy of it across chunks
+            in_specs=[pl.BlockSpec((bt, fin), lambda i, k, ib, *_: (ib[i], 0)),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((bt, rp), lambda i, k, ib, *_: (ib[i], 0)),
             scratch_shapes=[pltpu.VMEM((2, rp, w), rows.dtype), pltpu.SemaphoreType.DMA((2,))]),
