@@ -17,8 +17,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels.tpu.lora import (LoraBlocks, lora_expand, lora_expand_reference, lora_plan, lora_shrink,
-                                     lora_shrink_reference)
+from pallas_kernels.tpu.lora import (LoraBlocks, lora_expand, lora_expand_reference, lora_shrink,
+                                     lora_shrink_reference, segment_plan)
 from pallas_kernels.tpu.paged_attention import (PrefillBlocks, paged_decode_attention,
                                                 paged_decode_attention_reference, paged_prefill_attention,
                                                 paged_prefill_attention_reference)
@@ -101,9 +101,9 @@ def test_lora_reference_is_the_one_hot_form():
                                _np(y + delta), rtol=1e-4, atol=1e-2)
 
 
-def test_lora_plan_visits_every_block_once_in_order():
+def test_segment_plan_visits_every_block_once_in_order():
     seg = np.array([0, 3, 40, 40, 41, 64], np.int32)  # an empty segment, segments across blocks
-    ib, islot, bounds = map(np.asarray, lora_plan(seg, 80, 16))
+    ib, islot, bounds = map(np.asarray, segment_plan(seg, 80, 16))
     assert len(ib) == 80 // 16 + 5
     assert np.all(np.diff(ib) >= 0) and set(ib) == set(range(5))
     pairs = {(b, s) for b, s in zip(ib, islot)}

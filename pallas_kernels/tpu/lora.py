@@ -7,7 +7,7 @@ rows `a_rows[slot, j * chunks + k]`, k < chunks, each W columns of it. The kerne
 max_rank * features.
 
 Tokens are grouped by slot: slot s owns tokens [seg_starts[s], seg_starts[s + 1]); tokens past
-seg_starts[-1] are base-model tokens (no delta). `lora_plan` turns that into work items, one per
+seg_starts[-1] are base-model tokens (no delta). `segment_plan` turns that into work items, one per
 (token block, slot) pair that overlaps, in token order; the grid walks the items, so an output
 block stays in VMEM while its items run, and each item writes only its slot's rows.
 
@@ -31,8 +31,10 @@ _LANES = 128
 
 @dataclasses.dataclass(frozen=True)
 class LoraBlocks:
-    """Static block sizes. block_t: tokens per work item (the matmul's M side). A multiple of 16
-    keeps bf16 token tiles whole (16 sublanes); the default is a guess until a TPU measures it."""
+    """Static block sizes. block_t: tokens per work item (the matmul's M side), a multiple of 16
+    so bf16 token tiles are whole (16 sublanes). A decode step, with a token or two per adapter,
+    wants the smallest (16); the default suits prefill. Unmeasured: bench/RESULTS.md has no TPU
+    row yet (docs/tpu.md)."""
     block_t: int = 128
 
 
@@ -44,7 +46,7 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-def lora_plan(seg_starts, num_tokens: int, block_t: int):
+def segment_plan(seg_starts, num_tokens: int, block_t: int):
     """Work items for `num_tokens` tokens (a multiple of block_t) grouped as seg_starts [Sa + 1]
     says: (item_block [G], item_slot [G], bounds [Sa + 2]) with G = blocks + Sa, a static bound.
     Slot Sa stands for the base-model tokens [seg_starts[Sa], num_tokens): it has rank 0, so its
@@ -175,7 +177,7 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
     bt = blocks.block_t
     tp, rp = _round_up(t, bt), _round_up(max_rank, 16)
     x = jnp.pad(x, ((0, tp - t), (0, 0)))
-    item_block, item_slot, bounds = lora_plan(seg_starts, tp, bt)
+    item_block, item_slot, bounds = segment_plan(seg_starts, tp, bt)
     ranks_ext = jnp.concatenate([jnp.asarray(ranks, jnp.int32), jnp.zeros((1,), jnp.int32)])
     grid = (item_block.shape[0], chunks)
     kernel = functools.partial(_shrink_kernel, chunks=chunks, block_t=bt)
@@ -207,7 +209,7 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, blocks
     tp, rp = _round_up(t, bt), _round_up(max_rank, 16)
     y_p = jnp.pad(y, ((0, tp - t), (0, 0)))
     xa = jnp.pad(xa, ((0, tp - t), (0, rp - xa.shape[1])))
-    item_block, item_slot, bounds = lora_plan(seg_starts, tp, bt)
+    item_block, item_slot, bounds = segment_plan(seg_starts, tp, bt)
     ranks_ext = jnp.concatenate([jnp.asarray(ranks, jnp.int32), jnp.zeros((1,), jnp.int32)])
     items = item_block.shape[0]
     kernel = functools.partial(_expand_kernel, chunks=chunks, block_t=bt, items=items)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu.lora import lora_plan
+from pallas_kernels.tpu.lora import segment_plan
 
 _MASKED = -1e30  # finite, so a row with no live key yet never computes inf - inf
 _LANES = 128
@@ -33,7 +33,7 @@ _LANES = 128
 @dataclasses.dataclass(frozen=True)
 class PrefillBlocks:
     """Static block sizes of packed prefill: query tokens and new-key tokens per block (multiples
-    of 16 keep bf16 tiles whole). Defaults are guesses until a TPU measures them."""
+    of 16 keep bf16 tiles whole). Unmeasured: bench/RESULTS.md has no TPU row yet (docs/tpu.md)."""
     block_q: int = 128
     block_k: int = 128
 
@@ -145,7 +145,7 @@ def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
 
 # ---------------------------------------------------------------------------------------------
 # Packed prefill: grid (work item, key step). A work item is a (query block, sequence) pair that
-# overlaps (lora_plan's items, with sequences for slots); its key steps are the sequence's pooled
+# overlaps (segment_plan, with sequences for slots); its key steps are the sequence's pooled
 # pages, then the query blocks of new tokens that can hold its keys.
 
 
@@ -217,7 +217,7 @@ def paged_prefill_attention(q, k, v, pool_layer, page_table, ctx_lens, seq_start
         raise ValueError("block_q must be a multiple of block_k")
     tp = -(-t // bq) * bq
     pad = lambda a: jnp.pad(a.reshape(t, -1), ((0, tp - t), (0, 0)))
-    item_block, item_seq, bounds = lora_plan(seq_starts, tp, bq)
+    item_block, item_seq, bounds = segment_plan(seq_starts, tp, bq)
     steps = p + tp // bk  # pooled pages, then every new-key block a sequence's queries can see
     pt = jnp.asarray(page_table, jnp.int32)
     ctx = jnp.asarray(ctx_lens, jnp.int32)
