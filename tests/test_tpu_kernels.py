@@ -127,6 +127,25 @@ def test_lora_odd_tokens_large_block_no_races():
     np.testing.assert_allclose(_np(out), _np(ref), rtol=1e-4, atol=1e-3)
 
 
+def test_race_detector_sees_a_read_before_the_copy_lands():
+    """The no-races assertions have teeth: reading a DMA's destination before its wait is a race."""
+    from jax.experimental import pallas as pl
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+
+    def early_read(src_hbm, out_ref, buf, sem):
+        copy = pltpu.make_async_copy(src_hbm, buf, sem.at[0])
+        copy.start()
+        out_ref[...] = buf[...]
+        copy.wait()
+
+    call = pl.pallas_call(early_read, in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                          out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((1,))],
+                          interpret=pltpu.InterpretParams(detect_races=True))
+    jax.block_until_ready(call(jnp.ones((8, 128), jnp.float32)))
+    assert tpu_interpret.races.races_found
+
+
 def test_lora_bad_row_index_is_an_error():
     rng = np.random.default_rng(3)
     x, y, rows, a_rows, b_rows, ranks, seg = _lora_case(rng, jnp.float32)
@@ -295,3 +314,35 @@ def test_attention_lowers_for_tpu(kind, model, page_size):
         text += _lower(paged_prefill_attention, S((t, h, d), bf), S((t, kvh, d), bf), S((t, kvh, d), bf), pool,
                        S((seqs, p), i32), S((seqs,), i32), S((seqs + 1,), i32))
     assert text.count("tpu_custom_call") >= 2
+
+
+@pytest.mark.parametrize("kind", TPU_KINDS)
+def test_decode_layer_lowers_for_tpu(kind):
+    """One llama-3-8b decode layer's kernels in one jit: q, k, v, o LoRA (shrink and expand) and
+    paged decode attention, as the engine's step will compose them."""
+    m = _model_shape("llama-3-8b")
+    bf, i32 = jnp.bfloat16, jnp.int32
+    h, kvh, d, w, hid = m["heads"], m["kv_heads"], m["head_dim"], m["width"], m["hidden"]
+    seqs, sa, r, p, ps = 172, 156, 64, 128, 16
+    a_rows = {mod: S((sa, r * hid // w), i32) for mod in "qkvo"}
+    b_rows = {mod: S((sa, r * (hid if mod in "qo" else w) // w), i32) for mod in "qkvo"}
+
+    def layer(x, pool_layer, a_rows, b_rows, ranks, seg_starts, page_table, ctx_lens):
+        rows = pool_layer.reshape(-1, w)
+        lora = functools.partial(lora_shrink, rows=rows, ranks=ranks, seg_starts=seg_starts, max_rank=r,
+                                 blocks=LoraBlocks(16))
+        out = {}
+        for mod, fout in (("q", hid), ("k", w), ("v", w)):
+            xa = lora(x, a_rows=a_rows[mod]).astype(bf)
+            out[mod] = lora_expand(jnp.zeros((seqs, fout), bf), xa, rows, b_rows[mod], ranks, seg_starts,
+                                   max_rank=r, blocks=LoraBlocks(16))
+        o = paged_decode_attention(out["q"].reshape(seqs, h, d), out["k"].reshape(seqs, kvh, d),
+                                   out["v"].reshape(seqs, kvh, d), pool_layer, page_table, ctx_lens)
+        o = o.reshape(seqs, hid)
+        xa = lora(o, a_rows=a_rows["o"]).astype(bf)
+        return lora_expand(o, xa, rows, b_rows["o"], ranks, seg_starts, max_rank=r, blocks=LoraBlocks(16))
+
+    with _on_tpu(kind):
+        text = _lower(layer, S((seqs, hid), bf), S((20000, 2, ps, w), bf), a_rows, b_rows, S((sa,), i32),
+                      S((sa + 1,), i32), S((seqs, p), i32), S((seqs,), i32))
+    assert text.count("tpu_custom_call") >= 4  # one per distinct kernel and shape; nine calls
