@@ -19,7 +19,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from pallas_kernels.tpu.lora import (LoraBlocks, lora_expand, lora_expand_reference, lora_shrink,
                                      lora_shrink_reference, segment_plan)
-from pallas_kernels.tpu.paged_attention import (PrefillBlocks, paged_decode_attention,
+from pallas_kernels.tpu.paged_attention import (DecodeBlocks, PrefillBlocks, paged_decode_attention,
                                                 paged_decode_attention_reference, paged_prefill_attention,
                                                 paged_prefill_attention_reference)
 
@@ -185,14 +185,16 @@ def _attention_case(rng, dtype, *, heads, kv_heads, ctx, page_size=16, d=128, sp
     return jnp.asarray(pool, dtype), table, ctx
 
 
-@pytest.mark.parametrize("dtype,heads,kv_heads", [(jnp.float32, 4, 2), (jnp.bfloat16, 4, 2), (jnp.float32, 2, 2)])
-def test_decode_attention_interpret(dtype, heads, kv_heads):
+@pytest.mark.parametrize("dtype,heads,kv_heads,pages_per_block", [(jnp.float32, 4, 2, 3), (jnp.bfloat16, 4, 2, 8),
+                                                                   (jnp.float32, 2, 2, 1)])
+def test_decode_attention_interpret(dtype, heads, kv_heads, pages_per_block):
     rng = np.random.default_rng(4)
     pool, table, ctx = _attention_case(rng, dtype, heads=heads, kv_heads=kv_heads, ctx=[0, 17, 70, 16, 1])
     s = len(ctx)
     q = jnp.asarray(rng.normal(size=(s, heads, 128)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(s, kv_heads, 128)), dtype) for _ in range(2))
-    out = paged_decode_attention(q, k, v, pool, table, ctx, interpret=True)
+    assert table.shape[1] == 7  # 3 pages a block: a short last block
+    out = paged_decode_attention(q, k, v, pool, table, ctx, blocks=DecodeBlocks(pages_per_block), interpret=True)
     ref = paged_decode_attention_reference(q, k, v, pool, table, ctx)
     np.testing.assert_allclose(_np(out), _np(ref), **TOL[dtype])
     np.testing.assert_allclose(_np(out)[0], _np(jnp.repeat(v[0], heads // kv_heads, 0)), **TOL[dtype])  # ctx 0
@@ -218,7 +220,8 @@ def test_decode_attention_no_races():
     pool, table, ctx = _attention_case(rng, jnp.float32, heads=2, kv_heads=1, ctx=[40, 3])
     q = jnp.asarray(rng.normal(size=(2, 2, 128)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(2, 1, 128)), jnp.float32) for _ in range(2))
-    out = paged_decode_attention(q, k, v, pool, table, ctx, interpret=pltpu.InterpretParams(detect_races=True))
+    out = paged_decode_attention(q, k, v, pool, table, ctx, blocks=DecodeBlocks(2),
+                                 interpret=pltpu.InterpretParams(detect_races=True))
     assert not tpu_interpret.races.races_found
     np.testing.assert_allclose(_np(out), _np(paged_decode_attention_reference(q, k, v, pool, table, ctx)),
                                rtol=1e-4, atol=1e-4)

@@ -63,8 +63,6 @@ def _scores(q, k, scale):
                                preferred_element_type=jnp.float32) * scale
 
 
-
-
 def _check(pool_layer, head_dim: int):
     if head_dim % _LANES:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {_LANES}: each KV head is whole lane tiles")
@@ -76,20 +74,53 @@ def _interpret_arg(interpret):
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode: grid (sequence, page).
+# Decode: grid (sequence, page block). A block's pages are copied by hand (pool in HBM), each a
+# whole [2, page_size, W] page, into one half of a VMEM buffer while the block before it in the
+# same sequence computes on the other half. The chain restarts at each sequence, so sequences
+# can run on separate cores ("parallel").
 
 
-def _decode_kernel(page_table, ctx_lens, q_ref, k_new_ref, v_new_ref, page_ref, out_ref, m_ref, l_ref, acc_ref,
-                   *, kv_heads: int, group: int, head_dim: int, page_size: int):
-    s, j = pl.program_id(0), pl.program_id(1)
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+    """pages_per_block: pages copied and attended per grid step. One small page a step leaves the
+    step's fixed cost larger than its copy. Unmeasured: bench/RESULTS.md has no TPU row yet."""
+    pages_per_block: int = 8
+
+
+def _copy_pages(page_table, pool_hbm, buf, sem, seq, block, used, half, *, per_block: int, wait: bool):
+    """Start (or wait for) the copies of the pages of `block` of sequence `seq` below `used`."""
+    def body(p, carry):
+        j = block * per_block + p
+        copy = pltpu.make_async_copy(pool_hbm.at[page_table[seq, j]], buf.at[half, p], sem.at[half])
+        if wait:
+            copy.wait()
+        else:
+            copy.start()
+        return carry
+    jax.lax.fori_loop(0, jnp.clip(used - block * per_block, 0, per_block), body, 0)
+
+
+def _decode_kernel(page_table, ctx_lens, q_ref, k_new_ref, v_new_ref, pool_hbm, out_ref, buf, sem, m_ref, l_ref,
+                   acc_ref, *, kv_heads: int, group: int, head_dim: int, page_size: int, per_block: int):
+    s, b = pl.program_id(0), pl.program_id(1)
     ctx = ctx_lens[s]
+    used = pl.cdiv(ctx, page_size)  # pages holding context
+    half = jax.lax.rem(b, 2)
     scale = 1.0 / math.sqrt(head_dim)
+    copies = functools.partial(_copy_pages, page_table, pool_hbm, buf, sem, s, used=used, per_block=per_block)
 
-    @pl.when(j == 0)
+    @pl.when(b == 0)
     def _():
         m_ref[...] = jnp.full_like(m_ref, _MASKED)
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        copies(b, half=half, wait=False)
+
+    @pl.when(b + 1 < pl.num_programs(1))
+    def _():
+        copies(b + 1, half=1 - half, wait=False)
+
+    copies(b, half=half, wait=True)
 
     def attend(keys_of, values_of, live):
         for g in range(kv_heads):
@@ -98,44 +129,47 @@ def _decode_kernel(page_table, ctx_lens, q_ref, k_new_ref, v_new_ref, page_ref, 
             m, l, acc = _online_softmax(m_ref[heads, :], l_ref[heads, :], acc_ref[heads, :], sc, values_of(g))
             m_ref[heads, :], l_ref[heads, :], acc_ref[heads, :] = m, l, acc
 
-    @pl.when(j * page_size < ctx)
-    def _():
-        lanes = lambda g: slice(g * head_dim, (g + 1) * head_dim)
-        live = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1) < ctx
-        attend(lambda g: page_ref[0, 0, :, lanes(g)], lambda g: page_ref[0, 1, :, lanes(g)], live)
+    lanes = lambda g: slice(g * head_dim, (g + 1) * head_dim)
+    for p in range(per_block):  # pages past the context were not copied: skipped, never masked
+        first = (b * per_block + p) * page_size
 
-    @pl.when(j == pl.num_programs(1) - 1)
+        @pl.when(first < ctx)
+        def _():
+            live = first + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1) < ctx
+            attend(lambda g: buf[half, p, 0, :, lanes(g)], lambda g: buf[half, p, 1, :, lanes(g)], live)
+
+    @pl.when(b == pl.num_programs(1) - 1)
     def _():
-        dt = page_ref.dtype
+        dt = buf.dtype
         attend(lambda g: k_new_ref[0, g:g + 1, :].astype(dt), lambda g: v_new_ref[0, g:g + 1, :].astype(dt),
                jnp.ones((1, 1), bool))
         out_ref[0] = (acc_ref[...] / l_ref[:, :1]).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
+                           blocks: DecodeBlocks = DecodeBlocks(), interpret=False):
     """q [S, H, d], k_new / v_new [S, KVH, d] (sequence s's token of this step), pool_layer
     [pages, 2, page_size, KVH * d], page_table [S, P], ctx_lens [S] -> [S, H, d] in q's dtype."""
     bsz, nh, d = q.shape
     kvh = k_new.shape[1]
     ps = _check(pool_layer, d)
-    p = page_table.shape[1]
-
-    def page_index(s, j, pt, ctx):
-        last = jnp.maximum(pl.cdiv(ctx[s], ps) - 1, 0)  # past the context: the same page, no new copy
-        return pt[s, jnp.minimum(j, last)], 0, 0, 0
-
-    kernel = functools.partial(_decode_kernel, kv_heads=kvh, group=nh // kvh, head_dim=d, page_size=ps)
+    per_block = min(blocks.pages_per_block, page_table.shape[1])
+    nb = pl.cdiv(page_table.shape[1], per_block)
+    kernel = functools.partial(_decode_kernel, kv_heads=kvh, group=nh // kvh, head_dim=d, page_size=ps,
+                               per_block=per_block)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(bsz, p),
-            in_specs=[pl.BlockSpec((1, nh, d), lambda s, j, *_: (s, 0, 0)),
-                      pl.BlockSpec((1, kvh, d), lambda s, j, *_: (s, 0, 0)),
-                      pl.BlockSpec((1, kvh, d), lambda s, j, *_: (s, 0, 0)),
-                      pl.BlockSpec((1, 2, ps, pool_layer.shape[3]), page_index)],
-            out_specs=pl.BlockSpec((1, nh, d), lambda s, j, *_: (s, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((nh, _LANES), jnp.float32), pltpu.VMEM((nh, _LANES), jnp.float32),
+            num_scalar_prefetch=2, grid=(bsz, nb),
+            in_specs=[pl.BlockSpec((1, nh, d), lambda s, b, *_: (s, 0, 0)),
+                      pl.BlockSpec((1, kvh, d), lambda s, b, *_: (s, 0, 0)),
+                      pl.BlockSpec((1, kvh, d), lambda s, b, *_: (s, 0, 0)),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((1, nh, d), lambda s, b, *_: (s, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((2, per_block) + pool_layer.shape[1:], pool_layer.dtype),
+                            pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.VMEM((nh, _LANES), jnp.float32), pltpu.VMEM((nh, _LANES), jnp.float32),
                             pltpu.VMEM((nh, d), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
