@@ -1,0 +1,1 @@
+"""Pallas kernels for TPU (Mosaic): mixed-rank LoRA over the unified pool and paged attention."""
