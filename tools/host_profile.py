@@ -61,7 +61,7 @@ def main() -> dict:
     llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, overlap_steps=args.overlap, page_size=16,
               pool_pages=20000, max_num_seqs=args.max_num_seqs,
               max_prefill_tokens=4096, max_prefill_seqs=32, max_adapters_per_batch=args.max_num_seqs,
-              max_lora_rank=max(ranks), min_decode_batch=16)
+              max_lora_rank=max(ranks))
     names = [f"lora-{i}" for i in range(args.adapters)]
     for i, n in enumerate(names):
         llm.load_adapter(n, files[i % len(files)])
