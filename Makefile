@@ -7,7 +7,7 @@ ORACLE  := .venv-oracle
 PIP     := $(VENV)/bin/python -m pip
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test serve bench venv oracle clean
+.PHONY: demo test serve bench lint venv oracle clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PY312) -m venv $(VENV)
@@ -40,7 +40,7 @@ bench: $(VENV)/.stamp
 	$(VENV)/bin/python bench/engine_bench.py --model tiny --quick
 
 lint: $(VENV)/.stamp
-	$(VENV)/bin/python -m pyflakes slora_jax pallas_kernels triton_kernels bench tests
+	$(VENV)/bin/python -m pyflakes slora_jax pallas_kernels triton_kernels bench tools tests
 
 clean:
 	rm -rf $(VENV) $(ORACLE)

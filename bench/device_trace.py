@@ -1,5 +1,5 @@
 """Device time from a JAX profiler trace: the kernels a traced region ran on the device, and
-how much of the region's span they kept it busy (bench/profile_step.py, bench/kernels.py,
+how much of the region's span they kept it busy (tools/profile_step.py, bench/kernels.py,
 bench/run.py's traced steps)."""
 
 from __future__ import annotations

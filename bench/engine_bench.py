@@ -256,7 +256,6 @@ def main() -> None:
                          "a third part /layer turns on EngineOptions.compile_per_layer (/layer8: 8 layers a jit), /grouped "
                          "lora_group_qkv (e.g. pallas/pallas/layer/grouped); without /grouped q, k and "
                          "v shrink in a launch each, whatever the engine's default")
-    ap.add_argument("--min-decode-batch", type=int, default=1, help="EngineOptions.min_decode_batch")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
     ap.add_argument("--memory-fraction", type=float, default=0.7,
                     help="EngineOptions.memory_fraction (256 rows x 512 context fill the pool at 0.7 under "
@@ -281,8 +280,7 @@ def main() -> None:
     decode_counts = [int(n) for n in args.decode_adapters.split(",")]
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
               max_num_seqs=max_seqs, max_lora_rank=max(ranks), max_prefill_tokens=2048,
-              max_prefill_seqs=16, memory_fraction=args.memory_fraction, max_adapters_per_batch=max_seqs,
-              min_decode_batch=args.min_decode_batch)
+              max_prefill_seqs=16, memory_fraction=args.memory_fraction, max_adapters_per_batch=max_seqs)
     result["load_s"] = time.perf_counter() - t0
     result["memory"] = [mem("after LLM()")]
     result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark suite (issue 7) on one H200, in parts that each fit in a 10-minute call; resumable.
+# The benchmark suite on one H200, in parts that each fit in a 10-minute call; resumable.
 #
 #   SLORA_COMMIT=<sha> bash bench/gpu_suite.sh                 # every part not done yet, in order
 #   SLORA_COMMIT=<sha> bash bench/gpu_suite.sh 's1-*' hf-mixed # only parts matching these patterns

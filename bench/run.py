@@ -220,7 +220,7 @@ def _pool_sample(llm) -> tuple[int, int, int, int]:
 
 class ServingTrace:
     """A device trace of `steps` serving steps, from the first step at or after `after_s` seconds
-    into the trace, summed by kernel as bench/profile_step.py sums a bare step: device time and
+    into the trace, summed by kernel as tools/profile_step.py sums a bare step: device time and
     kernels a step, the traced span against the time some kernel ran (busy < span: the device
     waited for the host), beside the host's wall time a step in the same window."""
 
@@ -260,7 +260,7 @@ class ServingTrace:
         if not self.done or not self.steps:
             return None
         from bench.device_trace import device_events
-        from bench.profile_step import host_phases, idle_by_phase, summarize as sum_kernels
+        from tools.profile_step import host_phases, idle_by_phase, summarize as sum_kernels
         device = device_events(self.dir)
         out = sum_kernels(device, self.steps, top)
         # the device's idle gaps by the engine's host phase that overlapped them (us a step)

@@ -460,90 +460,10 @@ def test_hf_peft_keeps_finished_rows_when_cut_short(tmp_path):
     assert d["merged"] and d["merged"][0]["what"] == "merged-1" and len(d["merged"]) < 20001
 
 
-def test_ceiling_mean_context_and_bytes():
-    """bench/ceiling.py: the mean decode context equals the token-weighted mean of an exhaustive
-    enumeration of prompt and output lengths; KV bytes a token and adapter bytes follow llama-7b's
-    shapes; no adapters, no loss."""
-    import itertools
-    from bench.ceiling import mean_decode_context, step_bytes
-    from slora_jax.model.config import load_model_config
-    ins, outs = range(8, 20), range(3, 11)
-    total = count = 0
-    for p, o in itertools.product(ins, outs):
-        total += sum(p + j for j in range(1, o + 1))
-        count += o
-    assert abs(mean_decode_context((8, 20), (3, 11)) - total / count) < 1e-9
-    cfg = load_model_config("llama-7b")
-    base1, _ = step_bytes(cfg, rows=1, context=1, adapters=0, mean_rank=8)
-    base0, _ = step_bytes(cfg, rows=0, context=0, adapters=0, mean_rank=8)
-    assert base1 - base0 == 32 * 2 * 4096 * 2  # one token's K and V in 32 layers, bf16
-    _, lora = step_bytes(cfg, rows=0, context=0, adapters=3, mean_rank=16)
-    assert lora == 3 * 16 * 32 * 4 * (4096 + 4096) * 2  # q, k, v, o: A and B at rank 16
-    assert base0 > 13e9 and base0 < cfg.num_params() * 2  # the embedding table is read as rows
-
-
-def test_ceiling_over_all_steps():
-    """bench/ceiling.py --base: prefill steps at their time, decode steps at time / ceiling."""
-    from bench.ceiling import blended_ceiling
-
-    def run(pre_n, pre_s, dec_n, dec_s):
-        return {"pool": {"steps_by_kind": {"prefill_steps": pre_n, "prefill_step_s_mean": pre_s,
-                                           "decode_steps": dec_n, "decode_step_s_mean": dec_s}}}
-    out = blended_ceiling(run(10, 0.1, 30, 0.1), 0.75)  # 1 s of prefill, 3 s of decode -> 1 + 4 s
-    assert abs(out["ceiling_all_steps"] - 4 / 5) < 1e-12 and abs(out["base_prefill_share"] - 0.25) < 1e-12
-    assert abs(blended_ceiling(run(0, 0.1, 30, 0.1), 0.6)["ceiling_all_steps"] - 0.6) < 1e-12
-    assert blended_ceiling(run(5, 0.2, 7, 0.1), 1.0)["ceiling_all_steps"] == 1.0
-
-
-def _prefetch_run(waits: list[float | None], aborts: dict[int, float] | None = None, wall: float = 50.0) -> dict:
-    """A run.py JSON of len(waits) requests arriving a second apart, request i's first token
-    waits[i] seconds after arrival (None: none; aborts[i] gives its abort time, else cut off)."""
-    aborts = aborts or {}
-    reqs = [{"index": i, "arrival_s": float(i),
-             "first_token_s": None if w is None else i + w,
-             "finish_s": aborts.get(i), "finish_reason": "abort" if i in aborts else "length"}
-            for i, w in enumerate(waits)]
-    return {"pool": {"wall_s": wall}, "requests": reqs}
-
-
-def test_prefetch_report_hidden_share_of_the_cold_cost(tmp_path):
-    """bench/prefetch_report.py: a request's cost is its TTFT over the reference's; aborted ones
-    count to their abort, cut-off ones to the run's end; hidden = 1 - cost(on) / cost(off)."""
-    from bench import prefetch_report as pr
-    ref = _prefetch_run([0.1, 0.1, 0.1, 0.1])
-    on = _prefetch_run([0.1, 0.1, 1.1, 1.1])          # costs 0, 0, 1, 1
-    off = _prefetch_run([4.1, 4.1, 4.1, None], aborts={})  # the last is cut off at 50 s: 47 s waited
-    h = pr.hidden_share(ref, on, off)
-    costs_off = [4.0, 4.0, 4.0, 50.0 - 3.0 - 0.1]
-    assert h["requests"] == 4
-    assert h["cost_on_mean_s"] == pytest.approx(0.5)
-    assert h["cost_off_mean_s"] == pytest.approx(np.mean(costs_off))
-    assert h["hidden_mean"] == pytest.approx(1 - 0.5 / np.mean(costs_off))
-    assert h["hidden_median"] == pytest.approx(1 - 0.5 / 4.0)
-    # An abort counts the time to the abort; no cost without the prefetch: no share.
-    aborted = _prefetch_run([0.1, 0.1, 0.1, None], aborts={3: 3.0 + 6.1})
-    assert pr.waited(aborted)[3] == pytest.approx(6.1)
-    assert pr.hidden_share(ref, ref, ref)["hidden_mean"] is None
-    with pytest.raises(ValueError, match="share no requests"):
-        pr.hidden_share(ref, {"pool": {"wall_s": 1.0}, "requests": []}, off)
-    # Pairing by name in a folder, and the report it writes.
-    for name, run_ in (("S2-x-prefetch-on-R12", ref), ("S2-x-prefetch-on-R12-disk", on),
-                       ("S2-x-prefetch-off-R12-disk", off), ("S2-x-prefetch-off-R12", ref)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(run_))
-    (tmp_path / "S2-x-prefetch-on-R12-disk-w8.json").write_text(json.dumps(ref))  # off twin: -disk
-    rows = pr.main([str(tmp_path), "--out", str(tmp_path / "report.json")])
-    rows = {r["variant"]: r for r in rows}
-    assert set(rows) == {"S2-x-prefetch-on-R12-disk", "S2-x-prefetch-on-R12-disk-w8"}
-    w8 = rows["S2-x-prefetch-on-R12-disk-w8"]
-    assert w8["off"] == "S2-x-prefetch-off-R12-disk.json" and w8["hidden_mean"] == pytest.approx(1.0)
-    rows = [rows["S2-x-prefetch-on-R12-disk"]]
-    assert rows[0]["ref"] == "S2-x-prefetch-on-R12.json" and rows[0]["off"] == "S2-x-prefetch-off-R12-disk.json"
-    saved = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())}
-    assert saved["S2-x-prefetch-on-R12-disk"]["hidden_median"] == pytest.approx(0.875)
 
 
 def test_idle_by_phase_splits_each_gap_among_the_host_phases():
-    from bench.profile_step import idle_by_phase
+    from tools.profile_step import idle_by_phase
     dev = [{"ts": 0, "dur": 10}, {"ts": 5, "dur": 15}, {"ts": 100, "dur": 10}, {"ts": 115, "dur": 5},
            {"ts": 300, "dur": 10}]
     host = [{"ts": 20, "dur": 40, "name": "slora.schedule"}, {"ts": 60, "dur": 30, "name": "slora.inputs"},
@@ -557,7 +477,7 @@ def test_idle_by_phase_splits_each_gap_among_the_host_phases():
 def test_summary_by_stream_separates_device_tracks():
     """profile_step.summarize's by_stream: events a step and time a step per device track (a
     trace's thread id: a GPU stream), busiest track first, each with its busiest names."""
-    from bench.profile_step import summarize
+    from tools.profile_step import summarize
     ev = [{"tid": 7, "name": "fusion_1", "ts": 0, "dur": 10}, {"tid": 7, "name": "gemm", "ts": 10, "dur": 30},
           {"tid": 7, "name": "fusion_1", "ts": 40, "dur": 10}, {"tid": 9, "name": "MemcpyHtoD", "ts": 5, "dur": 16}]
     got = summarize(ev, steps=2, top=5)["by_stream"]
@@ -566,36 +486,6 @@ def test_summary_by_stream_separates_device_tracks():
     assert [t["name"] for t in got["7"]["top"]] == ["gemm", "fusion_1"]
     assert got["9"] == {"per_step": 0.5, "us_per_step": 8.0,
                         "top": [{"name": "MemcpyHtoD", "per_step": 0.5, "us_per_step": 8.0}]}
-
-
-def test_hlo_commands_counts_a_compiled_entry():
-    """bench/hlo_commands.py reads an optimized HLO module's entry computation: on a real CPU
-    compile of two independent fusable chains and a sort, every counted instruction kind appears
-    in the entry and the fusions are counted once each."""
-    import jax
-    import jax.numpy as jnp
-
-    from bench.hlo_commands import entry_counts
-
-    def f(x, y):
-        return jnp.sort(jnp.tanh(x) * 2 + 1), jnp.exp(y) - y
-    text = jax.jit(f).lower(jnp.ones(64), jnp.ones(32)).compile().as_text()
-    counts = entry_counts(text)
-    entry = text[text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    assert counts, text
-    for kind, n in counts.items():
-        op = kind.split(":")[0]
-        assert entry.count(f" {op}(") >= n > 0, (kind, entry)
-    assert counts.get("fusion", 0) == entry.count(" fusion("), entry
-    assert "parameter" not in counts and "tuple" not in counts
-    from bench.hlo_commands import fusion_bodies
-    bodies = fusion_bodies(text, "fusion", limit=10)
-    named = [ln for ln in entry.splitlines() if " fusion(" in ln and "fusion =" in ln.split("(")[0]]
-    assert bodies and len(bodies) == len(named), (bodies.keys(), named)
-    for name, body in bodies.items():  # each the computation its instruction calls
-        called = next(ln for ln in named if f"%{name} =" in ln).split("calls=")[1].split(",")[0]
-        assert body.startswith(called + " ") and body.rstrip().endswith("}"), (name, body[:200])
 
 
 def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
@@ -623,21 +513,6 @@ def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
     outs = llm.generate([r.tokens for r in reqs], SamplingParams(max_tokens=1, temperature=0.0),
                         adapter=[r.adapter_name for r in reqs])
     assert got == [o.token_ids[0] for o in outs]
-
-
-def test_policy_sim_prices_adapters_and_prefill_delay():
-    from bench import policy_sim
-    kw = dict(n=200, rate=40.0, duration_s=4.0)
-    base = policy_sim.run("base", **kw)
-    unified = policy_sim.run("unified", **kw)
-    delayed = policy_sim.run("unified", delay=8.0, **kw)
-    assert unified["adapters_per_decode"] > 0 and base["adapters_per_decode"] == 0
-    assert unified["req_s"] < base["req_s"]  # every distinct adapter's rows cost decode time
-    assert delayed["prefill_steps"] < 0.5 * unified["prefill_steps"]
-    # prefetch misses, and those whose request arrived after the last prefetch ran
-    assert base["prefetch_hits"] == base["prefetch_misses"] == 0
-    assert 0 < unified["misses_arrived_after_prefetch"] <= unified["prefetch_misses"]
-    assert unified["prefetch_hits"] + unified["prefetch_misses"] > 0
 
 
 def test_kernels_py_quick_with_device_time(tmp_path):
@@ -699,99 +574,6 @@ def test_kernels_py_quick_bf16_y(tmp_path):
     assert all(b16["variants"][v]["ok"] for v in ("pallas", "padded")), b16["variants"]
 
 
-def test_programs_per_sm_limits():
-    """bench/kernel_sass.programs_per_sm: registers are allocated per warp in units of 256, and
-    shared memory, threads and the 32-block limit cap an SM's resident programs."""
-    from bench.kernel_sass import SM_REGS, programs_per_sm
-    assert programs_per_sm(123, 16384, 4) == SM_REGS // (16 * 256 * 4)   # 123 * 32 -> 16 units a warp
-    assert programs_per_sm(69, 4608, 4) == SM_REGS // (9 * 256 * 4)
-    assert programs_per_sm(32, 100 * 1024, 4) == 2                        # shared memory bound
-    assert programs_per_sm(16, 0, 1) == 32                                # the block limit
-    assert programs_per_sm(255, 0, 16) == 0                               # does not fit
-
-
-def test_kernel_sass_sees_the_split_k_fences(tmp_path):
-    """bench/kernel_sass.py on the CPU: the Pallas shrink's split-K atomic adds compile to fenced
-    atomics (MEMBAR in the sm_90 SASS), split_partials' plain stores to none; each kernel reports
-    its registers and resident programs."""
-    from tests.test_triton_kernels import interpreter_python
-    py = interpreter_python()
-    if py is None:
-        pytest.skip("no Python with triton (set SLORA_TRITON_PYTHON)")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", SLORA_TRITON_PYTHON=py)
-    res = {}
-    for name, blocks in (("atomic", '{"shrink":{"split_partials":false}}'),
-                         ("planes", '{"shrink":{"split_partials":true}}')):
-        p = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_sass.py"), "--tokens", "40",
-                            "--adapters", "8", "--json", "--blocks", blocks], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        res[name] = json.loads(p.stdout.strip().splitlines()[-1])
-    for r in res.values():
-        for k in ("lora_shrink", "lora_expand"):
-            assert r[k]["registers"] > 0 and r[k]["programs_per_sm"] >= 1 and any("LDG" in o for o in r[k]["ops"])
-    shrink_atomic, shrink_planes = res["atomic"]["lora_shrink"], res["planes"]["lora_shrink"]
-    assert shrink_atomic["fences"] > 0 and any(o.startswith("ATOMG") for o in shrink_atomic["ops"])
-    assert shrink_planes["fences"] == 0 and not any(o.startswith(("ATOMG", "RED")) for o in shrink_planes["ops"])
-
-
-def test_graph_dispatch_uses_as_many_executables_as_copies(tmp_path):
-    """bench/graph_dispatch.py's point is two executables used in turn: two jits of one function
-    share one executable, so the copies are named apart. Checked on the CPU at toy sizes; what it
-    measures (dispatch waits under CUDA graphs) only a GPU shows."""
-    from bench import graph_dispatch
-    for copies in (1, 2):
-        out = graph_dispatch.main(["--layers", "2", "--tokens", "8", "--width", "64", "--rank", "4", "--iters", "6",
-                                   "--copies", str(copies), "--out", str(tmp_path / f"{copies}.json")])
-        assert out["distinct_executables"] == copies
-        assert json.loads((tmp_path / f"{copies}.json").read_text())["copies"] == copies
-        assert out["overlapped_us_per_step"] > 0 and out["dispatch_us_median"] > 0
-
-
-def _ncu_csv(path, launches):
-    """A file in Nsight Compute's `--csv --page details` layout: one row a metric, launches in order."""
-    import csv
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f, quoting=csv.QUOTE_ALL)
-        f.write("==PROF== Connected to process 1\n")  # ncu's own lines come first, unquoted
-        w.writerow(["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
-                    "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
-        for i, (name, ns, dram) in enumerate(launches):
-            for metric, value in (("gpu__time_duration.sum", f"{ns:,}"), ("DRAM Throughput", str(dram)),
-                                  ("Achieved Occupancy", "25.5"), ("Registers Per Thread", "56"),
-                                  ("dram__bytes_read.sum", "8,917,504")):
-                w.writerow([str(i), "1", "python3", "h", name, "1", "14", "(128, 1, 1)", "(256, 1, 4)", "0", "9.0",
-                            "s", metric, "", value])
-
-
-def test_ncu_summary_groups_launches_by_case_and_picks_the_fastest_expand(tmp_path, capsys):
-    """bench/ncu_summary.py: launch i of ncu_lora.py belongs to case i // (2 * (reps + 1)); medians
-    a case and kernel; --best names the setting whose expand is fastest on the case asked for."""
-    from bench import ncu_summary
-    reps = 1  # two calls a case: shrink, expand, shrink, expand
-    for setting, expand_ns in ((0, 40_000), (1, 30_000)):
-        _ncu_csv(tmp_path / f"ncu-{setting}.csv",
-                 [("lora_shrink", 11_000, 16.0), ("lora_expand", 10_000, 17.0)] * 2
-                 + [("lora_shrink", 26_000, 55.0), ("lora_expand", expand_ns, 30.0),
-                    ("lora_shrink", 26_000, 55.0), ("lora_expand", expand_ns + 2_000, 30.0)])
-    table = ncu_summary.summarize(ncu_summary.read(str(tmp_path / "ncu-1.csv")), ["64x32", "256x256"], reps)
-    assert table["64x32"]["expand"]["us"] == 10.0 and table["64x32"]["shrink"]["launches"] == 2
-    assert table["256x256"]["expand"]["us"] == 31.0 and table["256x256"]["shrink"]["dram_pct"] == 55.0
-    ncu_summary.main([str(tmp_path), "--cases", "64x32,256x256", "--reps", str(reps), "--best", "256x256"])
-    assert capsys.readouterr().out.strip() == "1"
-
-
-def test_ncu_lora_driver_runs_the_pair(tmp_path):
-    """bench/ncu_lora.py, the program ncu runs: on the CPU (interpret mode, tiny shapes) it runs
-    the pair and writes a finite delta's size per case."""
-    import subprocess
-    import sys
-    out = tmp_path / "n.json"
-    subprocess.run([sys.executable, "bench/ncu_lora.py", "--quick", "--reps", "1", "--out", str(out)], check=True,
-                   cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=300)
-    res = json.loads(out.read_text())
-    assert [(c["tokens"], c["adapters"]) for c in res["cases"]] == [(8, 2)]
-    assert res["cases"][0]["delta_abs_max"] > 0 and res["cases"][0]["bytes"] > 0
 
 
 @pytest.mark.parametrize("page_rows", [0, 8])
