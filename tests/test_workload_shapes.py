@@ -27,8 +27,9 @@ def test_warmup_shapes_trace_with_gpu_backends(workload, tmp_path):
     w = load_workload(workload)
     cfg = load_model_config("tiny")
     llm = LLM("tiny", dtype="float32", attention_backend="pallas", pool_pages=256, **w.engine_options)
-    # the GPU's choices ("auto" on a GPU): one-hot decode LoRA up to hybrid_slots, the kernels past it
-    llm.engine.opts = dataclasses.replace(llm.engine.opts, lora_backend="hybrid", prefill_lora_backend="pallas")
+    # the GPU's choices ("auto" selecting for a GPU): one-hot decode LoRA up to hybrid_slots, the
+    # Pallas kernels past it (the rank-split kernel is unavailable off a GPU) and for prefill
+    llm.engine.opts = dataclasses.replace(llm.engine.opts, lora_backend="auto", platform="gpu")
     for r in sorted(set(w.ranks)):
         llm.load_adapter(f"rank{r}", random_peft_adapter(tmp_path / f"r{r}", cfg, rank=r, seed=r,
                                                          targets=["q_proj", "k_proj", "v_proj", "o_proj"]))

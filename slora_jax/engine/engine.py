@@ -50,6 +50,7 @@ class LoraChoices:
     lora_backend: str        # "auto", "xla", "pallas" or "ranksplit"
     attention_backend: str   # "xla" or "pallas"
     max_lora_rank: int
+    platform: str            # JAX's backend ("gpu", "cpu", "tpu"): what "auto" selects for
     max_prefill_seqs: int = MAX_PREFILL_SEQS
 
     @classmethod
@@ -60,7 +61,7 @@ class LoraChoices:
         if attention == "auto":
             attention = "pallas" if platform == "gpu" else "xla"
         return cls(lora_backend=config.lora_backend, attention_backend=attention,
-                   max_lora_rank=config.max_lora_rank)
+                   max_lora_rank=config.max_lora_rank, platform=platform)
 
     @property
     def kernels(self) -> bool:
@@ -389,11 +390,11 @@ class Engine:
         if self._lora_slots:
             return self._lora_slots
         return slot_bucket(n, rows, decode=decode, option=self.opts.lora_backend, max_rank=self.opts.max_lora_rank,
-                           platform=jax.default_backend(), prefill_slots=self.opts.max_prefill_seqs)
+                           platform=self.opts.platform, prefill_slots=self.opts.max_prefill_seqs)
 
     def _step_backend(self, slots: int, decode: bool) -> str:
         """The LoRA backend of a step with `slots` adapter slots (slora_jax.lora.step_backend)."""
-        return step_backend(self.opts.lora_backend, decode, slots, 0, self.opts.max_lora_rank, jax.default_backend(),
+        return step_backend(self.opts.lora_backend, decode, slots, 0, self.opts.max_lora_rank, self.opts.platform,
                             sharded=self.tp is not None)
 
     def _make_lora_inputs(self, t: int, token_slot, seg_starts, rows: dict, ranks: dict,
