@@ -128,20 +128,23 @@ def test_unavailable_on_cpu():
 
 
 def test_engine_options():
-    """lora_backend "ranksplit" needs a GPU with jax-triton: refused elsewhere with the reason;
-    "hybrid" and "triton" are no backend names; "auto" is the default."""
-    from slora_jax.engine.engine import EngineOptions
+    """lora_backend "ranksplit" needs a GPU with jax-triton: refused elsewhere with the reason when
+    the engine resolves its backends; "hybrid" and "triton" are no backend names; "auto" is the
+    default; there is no Triton attention."""
+    from slora_jax import EngineConfig
+    from slora_jax.engine.engine import LoraChoices
+    config = EngineConfig(lora_backend="ranksplit")
     if rs.unavailable_reason() is not None:
         with pytest.raises(ValueError, match="lora_backend='ranksplit' needs"):
-            EngineOptions(lora_backend="ranksplit")
+            LoraChoices.resolve(config)
     else:
-        assert EngineOptions(lora_backend="ranksplit").lora_backend == "ranksplit"
+        assert LoraChoices.resolve(config).lora_backend == "ranksplit"
     for gone in ("hybrid", "triton", "cuda"):
         with pytest.raises(ValueError, match="must be one of"):
-            EngineOptions(lora_backend=gone)
-    assert EngineOptions().lora_backend == "auto"
-    with pytest.raises(ValueError, match="no Triton attention"):
-        EngineOptions(attention_backend="triton")
+            EngineConfig(lora_backend=gone)
+    assert EngineConfig().lora_backend == "auto"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="triton")
 
 
 if __name__ == "__main__":
