@@ -217,3 +217,24 @@ class TestTritonLowering:
             warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
             hlo = jax.jit(attn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert hlo.count("__gpu$xla.gpu.triton") == 1  # the kernel, not the fallback
+
+
+def test_xla_attention_ignores_whatever_masked_pages_hold():
+    """Stale NaN or huge values in pool rows past a sequence's context (a reused page) never reach
+    the output of the xla attention: the same output as with zeros there."""
+    from slora_jax.model.llama import attention_scores_softmax
+    rng = np.random.default_rng(3)
+    b, t, s, nh, kvh, d = 2, 3, 8, 4, 2, 16
+    q = jnp.asarray(rng.normal(size=(b, t, nh, d)).astype(np.float32))
+    k = rng.normal(size=(b, s, kvh, d)).astype(np.float32)
+    v = rng.normal(size=(b, s, kvh, d)).astype(np.float32)
+    live = np.arange(s)[None, :] < np.array([[5], [2]])            # [B, S]
+    mask = jnp.asarray(np.broadcast_to(live[:, None, :], (b, t, s)))
+    clean_k, clean_v = np.where(live[..., None, None], k, 0), np.where(live[..., None, None], v, 0)
+    want = attention_scores_softmax(q, jnp.asarray(clean_k), jnp.asarray(clean_v), mask)
+    for junk in (np.nan, 1e30, -np.inf):
+        dirty_k = np.where(live[..., None, None], k, junk).astype(np.float32)
+        dirty_v = np.where(live[..., None, None], v, junk).astype(np.float32)
+        got = attention_scores_softmax(q, jnp.asarray(dirty_k), jnp.asarray(dirty_v), mask)
+        assert np.isfinite(np.asarray(got)).all(), junk
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

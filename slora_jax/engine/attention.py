@@ -24,8 +24,6 @@ from slora_jax.model import tp as tp_mod
 QUERY_BLOCK = 512
 
 
-
-
 def paged_attention_xla(q, k, v, pool_layer, inp):
     """q, k, v [T, heads, d]: this step's tokens. Each token attends to its sequence's context
     already in the pool (positions < ctx_lens) and, causally, to this step's tokens of the same

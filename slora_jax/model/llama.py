@@ -141,9 +141,12 @@ def lm_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention of q [B, T, nh, d] over k, v [B, S, kvh, d] with mask [B, T, S]."""
+    """Grouped-query attention of q [B, T, nh, d] over k, v [B, S, kvh, d] with mask [B, T, S].
+    Keys no query may see are left out by `where`, never by a zero weight: a reused pool page can
+    hold anything there, NaN included, and 0 * NaN would reach the output."""
     b, t, nh, d = q.shape
     kvh = k.shape[2]
+    v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, kvh, nh // kvh, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
     s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
