@@ -231,7 +231,7 @@ def test_run_py_variants_share_one_model_and_resume(tmp_path):
             "--variant", "half:--rate-from uni:0.5", "--variant", "bad:--engine page_size=0"]
     run.main(args)
     uni, base, half = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("uni", "base", "half"))
-    assert "page_size must be >= 1" in (tmp_path / "bad.failed").read_text()
+    assert "page_size must be a positive integer" in (tmp_path / "bad.failed").read_text()
     assert base["mode"] == "base" and base["shared_process"] and not uni["shared_process"]
     assert base["pool_at_start"]["total_pages"] == uni["pool_at_start"]["total_pages"]
     assert base["pool"]["resident_adapters_max"] == 0 < uni["pool"]["resident_adapters_max"]
@@ -469,7 +469,7 @@ def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
     reqs, inp = prefill_batch(llm, 5, 24, ["a0", "a1", None])
     eng = llm.engine
     try:
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=0)
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         got = np.asarray(jax.device_get(res))[:len(reqs), 0].astype(int).tolist()
     finally:
         for r in reqs:

@@ -1,4 +1,4 @@
-"""Where a step's wall time goes on the host: the engine's phases (Engine.host_seconds) and the
+"""Where a step's wall time goes on the host: the engine's phases (Engine.timer.seconds) and the
 Python functions under them, for S1/S2-sized batches (256 decode rows, 32-prompt prefill steps,
 thousands of registered adapters) on the tiny model, so the device part is small and the host
 part is what a 7B model's step pays too (it depends on rows, adapters and modules, not on width).
@@ -7,8 +7,7 @@ part is what a 7B model's step pays too (it depends on rows, adapters and module
     python tools/host_profile.py --ranks 64,32,16,8 --adapters 1000 --profile   # + cProfile top 25
 
 On a CPU, XLA may run a small computation inside the dispatching call, so the "dispatch" phase
-there holds compute too (with --per-layer, 32 layers: ~220 ms a step against 3.6 ms whole-model);
-schedule, inputs and complete are pure host work anywhere.
+there holds compute too; schedule, inputs and complete are pure host work anywhere.
 """
 
 from __future__ import annotations
