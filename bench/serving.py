@@ -136,7 +136,7 @@ def compile_counter() -> _CompileCounter:
 
 def _phase(name: str):
     """This loop's own host work between engine steps, named in a serving trace beside the
-    engine's phases (slora_jax.engine.engine._phase) as `slora.bench_<name>`."""
+    engine's phases (slora_jax.engine.metrics.PhaseTimer) as `slora.bench_<name>`."""
     import jax
     return jax.profiler.TraceAnnotation(f"slora.bench_{name}")
 

@@ -138,9 +138,10 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
               f"{variant_warmup['seconds']:.0f} s", flush=True)
     names = None if v.mode == "base" else [adapter_name(i) for i in range(w.n)]
     result = header([*argv, f"# variant {name}"])
+    recorded = options_json(opts)
     result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
-                  engine_options=options_json(opts), baseline=options_json(opts).get("baseline"), **loads, shared_process=k > 0, rate_from=v.rate_from,
-                  variant_warmup=variant_warmup)
+                  engine_options=recorded, baseline=recorded.get("baseline"), **loads, shared_process=k > 0,
+                  rate_from=v.rate_from, variant_warmup=variant_warmup)
     t0 = time.perf_counter()
     result["pool_at_start"] = llm.stats()
     warmup_trace(llm, w, names, result)
