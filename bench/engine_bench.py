@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -36,11 +36,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.provenance import git_commit  # noqa: E402
-from slora_jax import LLM, SamplingParams
-from slora_jax.engine import step as paged
-from slora_jax.model.peft import random_peft_adapter
-from slora_jax.engine.engine import Request, _group_by_adapter
-from slora_jax.request import RequestOutput
+from slora_jax import LLM, SamplingParams  # noqa: E402
+from slora_jax.engine import step as paged  # noqa: E402
+from slora_jax.engine.inputs import group_by_adapter  # noqa: E402
+from slora_jax.model.peft import random_peft_adapter  # noqa: E402
+from slora_jax.request import Request, RequestOutput  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -81,20 +81,16 @@ def randomize_pool(llm: LLM) -> None:
 
 
 def set_backends(llm: LLM, pair: str) -> tuple[str, str]:
-    """"lora/attention", then optional parts: "/layer" for EngineOptions.compile_per_layer
-    ("/layerK": K decoder layers a jit, layers_per_call),
-    "/grouped" for lora_group_qkv=True (q, k, v shrink in one launch)."""
-    lora, attn, *rest = pair.split("/")
-    layers = [int(p[5:] or 1) for p in rest if re.fullmatch(r"layer\d*", p)]
-    if len(layers) > 1 or set(rest) - {"grouped"} - {p for p in rest if re.fullmatch(r"layer\d*", p)}:
-        raise ValueError(f"backend pair {pair!r}: parts after lora/attention are layer (or layerK), grouped")
+    """"lora/attention": the backends the next steps run on (EngineConfig.lora_backend and
+    attention_backend, resolved), set on the running engine so one process times every pair."""
+    parts = pair.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"backend pair {pair!r}: give lora/attention, e.g. pallas/pallas")
+    lora, attn = parts
     eng = llm.engine
-    eng.opts.lora_backend, eng.opts.attention_backend = lora, attn
-    eng.opts.prefill_lora_backend = "pallas" if lora == "hybrid" else lora
-    eng.opts.compile_per_layer = bool(layers)
-    eng.opts.layers_per_call = layers[0] if layers else 1
-    eng.opts.lora_group_qkv = "grouped" in rest
-    eng._decode_pages = eng.decode_page_floor()
+    eng.opts = dataclasses.replace(eng.opts, lora_backend=lora, attention_backend=attn)
+    eng.builder.attention_backend = attn
+    eng.builder.decode_page_floor = eng.decode_page_floor()
     return lora, attn
 
 
@@ -123,7 +119,7 @@ def decode_batch(llm: LLM, batch: int, context: int, adapters: list[str]) -> tup
     adapter-grouped order, and the device inputs of their decode step. Release the requests with
     `llm.engine._release` when done."""
     reqs = _admitted(llm, batch, context, adapters, decode=True)
-    inp, _ = llm.engine._decode_inputs(reqs)
+    inp, _ = llm.engine.builder.decode(reqs)
     return reqs, jax.device_put(inp)
 
 
@@ -149,7 +145,7 @@ def _admitted(llm: LLM, n: int, length: int, adapters: list, decode: bool) -> li
             raise RuntimeError(f"pool too small for {n} benchmark requests of {length} tokens")
         reqs.append(req)
     chunks = [(r, 0, 0) for r in reqs]
-    _group_by_adapter(chunks)
+    group_by_adapter(chunks)
     return [c[0] for c in chunks]
 
 
@@ -160,10 +156,10 @@ def prefill_batch(llm: LLM, prompts: int, prompt_len: int, adapters: list[str]) 
     `llm.engine._release` when done."""
     eng = llm.engine
     reqs = _admitted(llm, prompts, prompt_len, adapters, decode=False)
-    inp, _ = eng._prefill_inputs([(r, 0, prompt_len) for r in reqs])
-    if eng.opts.overlap_steps:  # the engine's overlapped steps take the fed-token inputs too
+    inp, _ = eng.builder.prefill([(r, 0, prompt_len) for r in reqs])
+    if eng.depth:  # under async scheduling the engine's steps take the fed-token inputs too
         t = inp.tokens.shape[0]
-        inp = inp.replace(token_src=np.full(t, -1, np.int32), prev_results=eng._prev_results)
+        inp = inp.replace(token_src=np.full(t, -1, np.int32), prev_results=eng.builder.prev_results)
     return reqs, jax.device_put(inp)
 
 
@@ -179,17 +175,16 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
                       f"args {ma.argument_size_in_bytes / 2**30:.2f} GiB, out {ma.output_size_in_bytes / 2**30:.2f} GiB "
                       f"(compile {time.perf_counter() - t0:.1f} s)", flush=True)
             _ANALYZED.add(bool(adapters))
-        per_layer = eng.layers_per_call
         t = time.perf_counter()
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         res.block_until_ready()
         first_s = time.perf_counter() - t  # compile (or a compilation-cache load) + one step
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         res.block_until_ready()
         ts = []
         for _ in range(iters):
             t = time.perf_counter()
-            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+            eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
             res.block_until_ready()
             ts.append(time.perf_counter() - t)
     finally:
@@ -205,7 +200,7 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
     ms = float(np.median(ts)) * 1e3
     return {"batch": batch, "context": context, "distinct_adapters": len(distinct), "ms": ms,
             "lora_backend": eng.opts.lora_backend, "attention_backend": eng.opts.attention_backend,
-            "compile_per_layer": eng.opts.compile_per_layer, "first_call_s": first_s,
+            "first_call_s": first_s,
             "roofline_ms": roof * 1e3, "x_roofline": ms / (roof * 1e3),
             "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": ad_bytes}}
 
@@ -252,14 +247,11 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
-                         "e.g. xla/xla,pallas/pallas (ratios between them are taken from one process); "
-                         "a third part /layer turns on EngineOptions.compile_per_layer (/layer8: 8 layers a jit), /grouped "
-                         "lora_group_qkv (e.g. pallas/pallas/layer/grouped); without /grouped q, k and "
-                         "v shrink in a launch each, whatever the engine's default")
+                         "e.g. xla/xla,pallas/pallas,ranksplit/pallas (ratios between them come from one process)")
     ap.add_argument("--throughput-backends", default=None, help="pairs for the throughput part (default: --backends)")
-    ap.add_argument("--memory-fraction", type=float, default=0.7,
-                    help="EngineOptions.memory_fraction (256 rows x 512 context fill the pool at 0.7 under "
-                         "JAX's default 75%% preallocation; raise this, or XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.7,
+                    help="EngineConfig.gpu_memory_utilization, a share of the device's total memory "
+                         "(JAX preallocates 75%% by default: keep this under it, or raise XLA_PYTHON_CLIENT_MEM_FRACTION)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -279,8 +271,8 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [args.rank]
     decode_counts = [int(n) for n in args.decode_adapters.split(",")]
     llm = LLM(args.model, dtype=args.dtype, page_size=args.page_size, pool_pages=args.pool_pages,
-              max_num_seqs=max_seqs, max_lora_rank=max(ranks), max_prefill_tokens=2048,
-              max_prefill_seqs=16, memory_fraction=args.memory_fraction, max_adapters_per_batch=max_seqs)
+              max_num_seqs=max_seqs, max_lora_rank=max(ranks), max_num_batched_tokens=2048,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_loras=max_seqs)
     result["load_s"] = time.perf_counter() - t0
     result["memory"] = [mem("after LLM()")]
     result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9 if result["platform"] != "cpu" else None

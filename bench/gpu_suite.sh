@@ -132,13 +132,13 @@ part S2-unified-n1000-R80   420 "${RUNR[@]}" --workload S2$WL --n 1000 --rate 80
 part S2-base-R80            420 "${RUNR[@]}" --workload S2$WL --mode base --rate 80 --duration-s 40
 
 # 4. The memory ablation, S4 at n = 400, R = 6 (paper, A100-80GB: unified 4.06, separate region
-#    2.64, padded slots 0.17 req/s). (d) and (e) fail fast until the engine has their hooks.
+#    2.64, padded slots 0.17 req/s).
 #    Region default 1024 pages of 16 = 32 rank-64 adapters on the 13B shape (~13 GB).
 part S4-unified-n400-R6     360 "${RUNR[@]}" --workload S4$WL --n 400 --rate 6
 part S4-separate-n400-R6    360 "${RUNR[@]}" --workload S4$WL --n 400 --rate 6 --mode separate \
-  --adapter-region-pages "${S4_REGION_PAGES:-1024}"
+  --baseline-size "${S4_REGION_PAGES:-1024}"
 part S4-padded-n400-R6      360 "${RUNR[@]}" --workload S4$WL --n 400 --rate 6 --mode padded \
-  --adapter-slots "${S4_SLOTS:-32}"
+  --baseline-size "${S4_SLOTS:-32}"
 
 # 5. The rest of Table 3 (R = 10, alpha = 1, cv = 1, 2 minutes) with base-model runs beside.
 for n in 1000 100 5; do

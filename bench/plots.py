@@ -36,9 +36,9 @@ def load(paths: list[str]) -> list[dict]:
     return runs
 
 
-# Engine options every run of a results folder sets the same way (bench/gpu_variants.sh): left out
+# Engine options every run of a results folder sets the same way (bench/gpu_suite.sh): left out
 # of the labels. Anything else a run changed from its workload's [engine] table names its setup.
-_COMMON = {"pool_pages", "compile_per_layer", "min_decode_batch"}
+_COMMON = {"pool_pages"}
 
 
 def _setup(run: dict) -> str:

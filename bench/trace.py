@@ -54,7 +54,7 @@ class Workload:
     distinct_files: int = 8            # PEFT directories per rank, registered under n names
     warmup_s: float = 0.0              # seconds of a warm-up trace (another seed) before measuring
     early_abort: bool = False          # pass slo_s to the engine as SamplingParams.ttft_slo
-    engine: tuple = ()                 # sorted (key, value) EngineOptions for LLM(**options)
+    engine: tuple = ()                 # sorted (key, value) EngineConfig fields for LLM(**options)
     sweep: tuple = ()                  # sorted (key, values) for the GPU suite
 
     def __post_init__(self):

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import http.server
 import json
-import shlex
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import plots, run  # noqa: E402
+from bench import http_client, plots, report, run, serving  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
 from bench.trace import (FixedBatch, Workload, generate, load_workload,  # noqa: E402
                          WORKLOAD_DIR)
@@ -121,13 +120,13 @@ def test_fixed_batch_requests_are_shared_and_deterministic():
 
 
 def test_summarize_counts_aborts_and_cutoffs_as_slo_misses():
-    R = run.Record
+    R = serving.Record
     recs = [R(0, 0.0, "a", 4, 2, first_token_s=1.0, finish_s=2.0, tokens=2, finish_reason="length"),
             R(1, 1.0, "a", 4, 2, first_token_s=8.0, finish_s=9.0, tokens=2, finish_reason="length"),
             R(2, 2.0, None, 4, 2, finish_s=3.0, finish_reason="abort"),
             R(3, 3.0, None, 4, 2, finish_s=3.0, finish_reason="rejected"),
             R(4, 4.0, "b", 4, 2, first_token_s=5.0, tokens=1, finish_reason="cutoff")]
-    m = run.summarize(recs, slo_s=6.0, wall_s=10.0)
+    m = report.summarize(recs, slo_s=6.0, wall_s=10.0)
     assert (m["completed"], m["aborted"], m["unfinished"]) == (2, 2, 1)
     assert m["slo_attainment"] == pytest.approx(2 / 5)  # requests 0 and 4 met the deadline
     assert m["throughput_req_s"] == pytest.approx(0.2)
@@ -136,18 +135,18 @@ def test_summarize_counts_aborts_and_cutoffs_as_slo_misses():
     assert m["ttft_p50_s"] == pytest.approx(1.0)
 
 
-def test_padded_and_separate_modes_need_their_engine_hooks():
-    from slora_jax.engine.engine import EngineOptions
-    have = {f.name for f in dataclasses.fields(EngineOptions)}
+def test_padded_and_separate_modes_select_a_baseline():
+    from slora_jax.config import AdapterMemoryBaseline
     w = load_workload("S1-cpu")
-    for mode, (field, value, extra) in run.MODE_HOOKS.items():
-        if {field, *extra} <= have:
-            opts = run.engine_options(w, mode, adapter_slots=4, adapter_region_pages=8)
-            assert opts[field] == value
-        else:
-            with pytest.raises(ValueError, match=f"engine option {value} not available yet"):
-                run.engine_options(w, mode, adapter_slots=4, adapter_region_pages=8)
+    assert run.engine_options(w, "padded", baseline_size=4)["baseline"] == AdapterMemoryBaseline("padded_slots", 4)
+    assert run.engine_options(w, "padded")["baseline"] == AdapterMemoryBaseline("padded_slots", 8)
+    opts = run.engine_options(w, "separate", baseline_size=8)
+    assert opts["baseline"] == AdapterMemoryBaseline("separate", 8)
+    assert run.options_json(opts)["baseline"] == {"kind": "separate", "size": 8}
+    with pytest.raises(ValueError, match="needs --baseline-size"):
+        run.engine_options(w, "separate")
     assert run.engine_options(w, "base") == w.engine_options
+    assert run.engine_options(w, "unified") == w.engine_options
     with pytest.raises(ValueError, match="mode must be"):
         run.engine_options(w, "vllm")
 
@@ -169,7 +168,8 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert saved["metrics"] == result["metrics"]
     for key in ("commit", "device", "platform", "command", "workload", "trace", "pool", "engine_options"):
         assert key in saved, key
-    assert saved["lora_blocks"]["shrink"]["split_k"] == lora_kernels.BLOCKS["shrink"]["split_k"]
+    assert saved["lora_block_sizes"]["shrink"]["split_k"] == lora_kernels.ShrinkBlockSizes.get_default().split_k
+    assert saved["baseline"] is None  # the engine's own unified pool, not a baseline
     m, p = result["metrics"], result["pool"]
     w = load_workload("S1-cpu")
     assert m["num_requests"] == w.total_requests == len(result["requests"])
@@ -207,13 +207,14 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
 
 
 @pytest.mark.parametrize("mode, flags, reserved", [
-    ("separate", ["--adapter-region-pages", "12"], 12),  # same step shapes as the unified run
-    ("padded", ["--adapter-slots", "2"], 18),             # 2 slots of 9 pages (rank 8, every module)
+    ("separate", ["--baseline-size", "12"], 12),  # same step shapes as the unified run
+    ("padded", ["--baseline-size", "2"], 18),               # 2 slots of 9 pages (rank 8, every module)
 ])
 def test_run_py_memory_baselines(s1_cpu, mode, flags, reserved):
     result = run.main(["--workload", "S1-cpu", "--mode", mode, "--no-requests", *flags])
     m, p = result["metrics"], result["pool"]
-    assert result["engine_options"]["adapter_memory"] == {"padded": "padded_slots"}.get(mode, mode)
+    kind = {"padded": "padded_slots"}.get(mode, mode)
+    assert result["baseline"] == result["engine_options"]["baseline"] == {"kind": kind, "size": int(flags[1])}
     assert m["completed"] == m["num_requests"] and m["unfinished"] == 0
     assert result["pool_at_start"]["adapter_pages"] == reserved
     if mode == "padded":
@@ -230,7 +231,7 @@ def test_run_py_variants_share_one_model_and_resume(tmp_path):
             "--variant", "half:--rate-from uni:0.5", "--variant", "bad:--engine page_size=0"]
     run.main(args)
     uni, base, half = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("uni", "base", "half"))
-    assert "page_size must be >= 1" in (tmp_path / "bad.failed").read_text()
+    assert "page_size must be a positive integer" in (tmp_path / "bad.failed").read_text()
     assert base["mode"] == "base" and base["shared_process"] and not uni["shared_process"]
     assert base["pool_at_start"]["total_pages"] == uni["pool_at_start"]["total_pages"]
     assert base["pool"]["resident_adapters_max"] == 0 < uni["pool"]["resident_adapters_max"]
@@ -242,42 +243,6 @@ def test_run_py_variants_share_one_model_and_resume(tmp_path):
     mtime = (tmp_path / "uni.json").stat().st_mtime
     run.main(args[:-2])  # all done: nothing runs again
     assert (tmp_path / "uni.json").stat().st_mtime == mtime
-
-
-def test_run_py_variants_with_their_own_lora_blocks(tmp_path, monkeypatch):
-    """--lora-blocks per variant, side by side in one process: each JSON records the BLOCKS its
-    steps were traced under, a variant whose settings differ from the one before recompiles its
-    buckets in its own warm-up (the kernels traced again under its settings), and BLOCKS is as
-    at import afterwards. A
-    setting BLOCKS does not have fails that variant alone."""
-    from pallas_kernels import lora as lora_kernels
-    before = json.loads(json.dumps(lora_kernels.BLOCKS))
-    split = {"shrink": {"split_k_max_tokens": 1024}}
-    traced = []  # split_k_max_tokens each time a shrink kernel body is traced
-    real = lora_kernels._shrink_kernel
-
-    def spy(*refs, **kw):
-        traced.append(lora_kernels.BLOCKS["shrink"]["split_k_max_tokens"])
-        return real(*refs, **kw)
-    monkeypatch.setattr(lora_kernels, "_shrink_kernel", spy)
-    args = ["--workload", "S1-cpu", "--duration-s", "1", "--warmup-s", "0", "--no-requests",
-            "--engine", "lora_backend=pallas", "--out-dir", str(tmp_path),
-            "--variant", "a:", "--variant", f"b:--lora-blocks {shlex.quote(json.dumps(split))}",
-            "--variant", "c:", "--variant", """bad:--lora-blocks '{"shrink":{"no_such":1}}'"""]
-    run.main(args)
-    a, b, c = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "abc")
-    assert "no_such" in (tmp_path / "bad.failed").read_text()
-    assert [r["lora_blocks"]["shrink"]["split_k_max_tokens"] for r in (a, b, c)] == \
-        [before["shrink"]["split_k_max_tokens"], 1024, before["shrink"]["split_k_max_tokens"]]
-    assert a["variant_warmup"] is None and b["variant_warmup"] and c["variant_warmup"]
-    for r in (a, b, c):
-        assert r["metrics"]["completed"] == r["metrics"]["num_requests"] > 0
-    for r in (b, c):  # their own warm-ups compiled every bucket under their settings
-        assert r["variant_warmup"]["shapes"] == a["warmup_shapes"]
-    # the kernels were traced again under b's settings, then under the defaults for c
-    default = before["shrink"]["split_k_max_tokens"]
-    assert traced[0] == default and 1024 in traced and traced[-1] == default, traced
-    assert lora_kernels.BLOCKS == before
 
 
 def test_plots_from_run_jsons(s1_cpu, tmp_path):
@@ -343,8 +308,8 @@ def test_http_client_against_a_stand_in_server():
     try:
         w = load_workload("S1-cpu", rate=50.0)
         trace = generate(w)
-        names = [run.adapter_name(i) for i in range(w.n)]
-        recs, wall = asyncio.run(run._http_replay(f"http://127.0.0.1:{srv.server_port}", trace, names, None, 512))
+        names = [serving.adapter_name(i) for i in range(w.n)]
+        recs, wall = asyncio.run(http_client._http_replay(f"http://127.0.0.1:{srv.server_port}", trace, names, None, 512))
     finally:
         srv.shutdown()
     assert len(_FakeOpenAI.seen) == len(trace)
@@ -353,7 +318,7 @@ def test_http_client_against_a_stand_in_server():
     for rec in recs:
         assert rec.finish_reason == "length" and rec.tokens == rec.output_len
         assert rec.arrival_s <= rec.first_token_s <= rec.finish_s
-    m = run.summarize(recs, w.slo_s, wall)
+    m = report.summarize(recs, w.slo_s, wall)
     assert m["completed"] == len(trace) and m["slo_attainment"] == 1.0
 
 
@@ -375,8 +340,8 @@ def server_url(tmp_path):
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
            "--no-warmup", "--served-model-name", "tiny", "--allowed-adapter-dirs", str(tmp_path),
            "--max-lora-rank", str(e["max_lora_rank"]), "--max-num-seqs", str(e["max_num_seqs"]),
-           "--pool-pages", str(e["pool_pages"]), "--max-num-batched-tokens", str(e["max_prefill_tokens"]),
-           "--max-loras", str(e["max_adapters_per_batch"]), "--page-size", str(e["page_size"])]
+           "--pool-pages", str(e["pool_pages"]), "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
+           "--max-loras", str(e["max_loras"]), "--page-size", str(e["page_size"])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         url = None
@@ -504,7 +469,7 @@ def test_prefill_batch_is_the_engines_prefill_step(tmp_path):
     reqs, inp = prefill_batch(llm, 5, 24, ["a0", "a1", None])
     eng = llm.engine
     try:
-        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=0)
+        eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
         got = np.asarray(jax.device_get(res))[:len(reqs), 0].astype(int).tolist()
     finally:
         for r in reqs:

@@ -1,4 +1,4 @@
-"""Where a step's wall time goes on the host: the engine's phases (Engine.host_seconds) and the
+"""Where a step's wall time goes on the host: the engine's phases (Engine.timer.seconds) and the
 Python functions under them, for S1/S2-sized batches (256 decode rows, 32-prompt prefill steps,
 thousands of registered adapters) on the tiny model, so the device part is small and the host
 part is what a 7B model's step pays too (it depends on rows, adapters and modules, not on width).
@@ -7,8 +7,7 @@ part is what a 7B model's step pays too (it depends on rows, adapters and module
     python tools/host_profile.py --ranks 64,32,16,8 --adapters 1000 --profile   # + cProfile top 25
 
 On a CPU, XLA may run a small computation inside the dispatching call, so the "dispatch" phase
-there holds compute too (with --per-layer, 32 layers: ~220 ms a step against 3.6 ms whole-model);
-schedule, inputs and complete are pure host work anywhere.
+there holds compute too; schedule, inputs and complete are pure host work anywhere.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ def main() -> dict:
     ap.add_argument("--steps", type=int, default=60, help="measured steps, after the warm-up ones")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--layers", type=int, default=None, help="override the tiny model's num_hidden_layers")
-    ap.add_argument("--per-layer", action="store_true", help="EngineOptions.compile_per_layer")
-    ap.add_argument("--overlap", action="store_true", help="EngineOptions.overlap_steps")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.async_scheduling (default: the engine's, off on a CPU)")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -58,10 +57,9 @@ def main() -> dict:
     atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
     files = [random_peft_adapter(tmp / f"r{r}", cfg, rank=r, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                                  seed=r) for r in ranks]
-    llm = LLM(cfg, dtype="float32", compile_per_layer=args.per_layer, overlap_steps=args.overlap, page_size=16,
-              pool_pages=20000, max_num_seqs=args.max_num_seqs,
-              max_prefill_tokens=4096, max_prefill_seqs=32, max_adapters_per_batch=args.max_num_seqs,
-              max_lora_rank=max(ranks))
+    llm = LLM(cfg, dtype="float32", async_scheduling=args.async_scheduling, page_size=16,
+              pool_pages=20000, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
+              max_loras=args.max_num_seqs, max_lora_rank=max(ranks))
     names = [f"lora-{i}" for i in range(args.adapters)]
     for i, n in enumerate(names):
         llm.load_adapter(n, files[i % len(files)])
@@ -75,7 +73,7 @@ def main() -> dict:
         eng.step()
     for _ in range(5):
         eng.step()
-    before = dict(eng.host_seconds)
+    before = dict(eng.timer.seconds)
     prof = cProfile.Profile() if args.profile else None
     t = time.perf_counter()
     if prof:
@@ -85,10 +83,10 @@ def main() -> dict:
     if prof:
         prof.disable()
     wall = time.perf_counter() - t
-    phases = {k: (eng.host_seconds[k] - before[k]) * 1e3 / args.steps for k in before}
+    phases = {k: (eng.timer.seconds[k] - before[k]) * 1e3 / args.steps for k in before}
     result = {"commit": git_commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "adapters": args.adapters, "ranks": ranks, "layers": cfg.num_hidden_layers,
-              "compile_per_layer": args.per_layer, "overlap_steps": args.overlap, "running": len(eng.running),
+              "async_scheduling": bool(eng.depth), "running": len(eng.running),
               "waiting": len(eng.waiting), "steps": args.steps, "ms_per_step": wall * 1e3 / args.steps,
               "phase_ms_per_step": phases}
     print(json.dumps(result, indent=1))

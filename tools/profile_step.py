@@ -17,6 +17,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -140,44 +141,6 @@ def summarize(events: list[dict], steps: int, top: int) -> dict:
     }
 
 
-def dispatch_breakdown(llm, inp, per_layer: int, reps: int = 4) -> dict:
-    """Host time of each call a per-layer step makes (paged.forward_sample_per_layer, then
-    commit_kv), summed by kind, median of `reps` steps: where the host's dispatch goes (a fixed
-    cost a call, or a cost a kernel)."""
-    eng = llm.engine
-    runs = []
-    for _ in range(reps):
-        t = {"device_put": 0.0, "embed": 0.0, "layers": 0.0, "head": 0.0, "commit_kv": 0.0}
-        t0 = time.perf_counter()
-        dinp = jax.device_put(inp, eng.kv[0].sharding)
-        t1 = time.perf_counter()
-        x, cos, sin = paged.embed_step(llm.params["embed_tokens"], dinp, cfg=llm.cfg)
-        t2 = time.perf_counter()
-        t["device_put"], t["embed"] = t1 - t0, t2 - t1
-        new_kv, layers = [], llm.params["layers"]
-        runs_ = paged._layer_runs(len(layers), per_layer)
-        for i, n in runs_:
-            a = time.perf_counter()
-            x, kv = paged.layer_step(tuple(layers[i:i + n]), tuple(eng.kv[i:i + n]), x, cos, sin, dinp, cfg=llm.cfg)
-            t["layers"] += time.perf_counter() - a
-            new_kv.extend(kv)
-        a = time.perf_counter()
-        res = paged.head_step(paged._head(llm.params), x, dinp, cfg=llm.cfg)
-        b = time.perf_counter()
-        eng.kv = paged.commit_kv(eng.kv, tuple(new_kv), dinp.kv_slot)
-        c = time.perf_counter()
-        t["head"], t["commit_kv"] = b - a, c - b
-        res.block_until_ready()
-        t["wait"] = time.perf_counter() - c
-        t["layer_calls"] = len(runs_)
-        runs.append(t)
-    runs = runs[1:]  # the first may compile (commit_kv of these shapes)
-    mid = sorted(runs, key=lambda r: r["layers"])[len(runs) // 2]
-    out = {k: (v * 1e6 if k != "layer_calls" else v) for k, v in mid.items()}
-    out["us_per_layer_call"] = out["layers"] / max(1, out["layer_calls"])
-    return out
-
-
 def _numpy_and_device(llm, inp):
     """A step's inputs as the engine builds them (numpy; decode_batch puts them), the same already
     on the device, and the seconds that device_put took."""
@@ -200,7 +163,7 @@ def dispatch_costs(llm, inp, reps: int = 7) -> dict:
 
     def call(x):
         a = time.perf_counter()
-        eng.kv, res = paged.step(llm.params, eng.kv, x, cfg=llm.cfg, per_layer=0)
+        eng.kv, res = paged.step(llm.params, eng.kv, x, cfg=llm.cfg)
         return res, time.perf_counter() - a
     for name, x in (("numpy", inp), ("device", dinp)):
         idle, busy = [], []
@@ -277,11 +240,9 @@ def main() -> None:
 
     prefill = tuple(int(v) for v in args.prefill.split(":")) if args.prefill else None
     seqs = max(args.batch, prefill[0] if prefill else 1, 1)
-    # Prefill rows and LoRA slots come in buckets of max_prefill_seqs: keep S1/S2's 32 (their configs).
-    extra = dict(max_prefill_tokens=max(4096, prefill[0] * prefill[1]), max_prefill_seqs=max(32, prefill[0])) \
-        if prefill else {}
+    extra = dict(max_num_batched_tokens=max(4096, prefill[0] * prefill[1])) if prefill else {}
     llm = LLM(args.model, dtype=args.dtype, pool_pages=args.pool_pages, max_num_seqs=seqs,
-              max_lora_rank=max(ranks), memory_fraction=0.7, max_adapters_per_batch=seqs, **extra)
+              max_lora_rank=max(ranks), gpu_memory_utilization=0.7, max_loras=seqs, **extra)
     randomize_pool(llm)
     tmp = Path(tempfile.mkdtemp(prefix="slora-prof-"))
     atexit.register(shutil.rmtree, tmp, True)  # adapters of GBs: a warm machine's disk fills
@@ -289,8 +250,9 @@ def main() -> None:
     result = {"commit": git_commit(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "model": args.model,
               "batch": args.batch, "context": args.context, "adapters": counts, "ranks": ranks,
-              "lora_blocks": lora_kernels.BLOCKS, "slora_lora_blocks": os.environ.get("SLORA_LORA_BLOCKS"),
-              "ranksplit_blocks": ranksplit.BLOCKS["ranksplit"],
+              "lora_block_sizes": {"shrink": dataclasses.asdict(lora_kernels.ShrinkBlockSizes.get_default()),
+                                   "expand": dataclasses.asdict(lora_kernels.ExpandBlockSizes.get_default())},
+              "ranksplit_block_sizes": dataclasses.asdict(ranksplit.RanksplitBlockSizes.get_default()),
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "runs": []}
     result["prefill"] = prefill
@@ -308,16 +270,15 @@ def main() -> None:
     for pair, n in [(pair, n) for pair in args.backends.split(",") for n in counts]:
         set_backends(llm, pair)
         eng = llm.engine
-        per_layer = eng.layers_per_call
         with batch_of(names[:n]) as inp:
             for _ in range(2):  # compile and warm up outside the trace
-                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
             res.block_until_ready()
             # Untraced: wall time a step, and how long the host takes to dispatch one (the calls
             # return before the device is done, up to the client's cap on queued executions).
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+                eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
             t1 = time.perf_counter()
             res.block_until_ready()
             t2 = time.perf_counter()
@@ -326,23 +287,17 @@ def main() -> None:
                 continue
             with traced() as events:
                 for _ in range(args.steps):
-                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg, per_layer=per_layer)
+                    eng.kv, res = paged.step(llm.params, eng.kv, inp, cfg=llm.cfg)
                 res.block_until_ready()
         s = summarize(events, args.steps, args.top)
         s.update(wall_us_per_step=(t2 - t0) * 1e6 / args.steps, dispatch_us_per_step=(t1 - t0) * 1e6 / args.steps)
-        if not per_layer:
-            with batch_of(names[:n]) as inp:
-                s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
-                s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
-            print(f"{pair}, {n} adapters, host time of one step call (us): "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
-            for k, v in ds.items():
-                print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
-        if per_layer:
-            with batch_of(names[:n]) as inp:
-                s["dispatch_breakdown_us"] = bd = dispatch_breakdown(llm, inp, per_layer)
-            print(f"{pair}, {n} adapters, host time of one step's calls (us): "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in bd.items()), flush=True)
+        with batch_of(names[:n]) as inp:
+            s["dispatch_costs_us"] = dc = dispatch_costs(llm, inp)
+            s["dispatch_sequence_us"] = ds = dispatch_sequence(llm, inp)
+        print(f"{pair}, {n} adapters, host time of one step call (us): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in dc.items()), flush=True)
+        for k, v in ds.items():
+            print(f"{pair}, {n} adapters, (forward_sample, commit_kv) host us a call, {k}: {v}", flush=True)
         result["runs"].append({"backends": pair, "adapters": n, **s})
         print(f"{pair}, {n} adapters: {s['device_us_per_step'] / 1e3:.2f} ms of device time, "
               f"{s['kernels_per_step']:.0f} kernels per step; untraced wall {s['wall_us_per_step'] / 1e3:.2f} ms "
