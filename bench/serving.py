@@ -189,8 +189,8 @@ class ServingTrace:
         self.active, self.done = False, True
 
     def summary(self, top: int = 60) -> dict | None:
-        # top 60 kernels by time: session 9 kept 15, too few to name the ~0.8 ms of glue a
-        # unified step spends beyond the base step (the trace files stay on the device)
+        # the top 60 kernels by time: enough to name the small glue kernels a unified step runs
+        # beyond the base step (the trace files stay on the device)
         if not self.done or not self.steps:
             return None
         from bench.device_trace import device_events
