@@ -103,7 +103,7 @@ ADIR=${ADAPTER_DIR:-/tmp/slora-bench-adapters}
 RUN=("$PY" bench/run.py --adapter-dir "$ADIR" --no-requests ${RUN_ARGS:-})   # per-request records only
 RUNR=("$PY" bench/run.py --adapter-dir "$ADIR" ${RUN_ARGS:-})                # where a TTFT CDF is drawn
 
-# Most telling first: the four targets of issue 7, then the paper's Table 3 points, then sweeps.
+# Most telling first: the headline targets, then the paper's Table 3 points, then sweeps.
 
 # 1. Generated tok/s on one fixed batch (32 x 128 prompt + 128 new, 32 mixed rank-16 adapters):
 #    the engine, then HF PEFT (b) and merged-weight swapping (c) on the same requests. Target: 50x.
@@ -165,7 +165,7 @@ for cv in 2 4 8; do
     --cv "$cv" --duration-s 60
 done
 
-# 7. The scheduler (issue 5), S2 at n = 1000: TTFT of requests whose adapter was cold vs warm, with
+# 7. The scheduler, S2 at n = 1000: TTFT of requests whose adapter was cold vs warm, with
 #    prefetch on and off (target: prefetch hides >= 80% of the cold-load cost), then SLO attainment
 #    under overload with early abort vs FCFS at cv = 1, 4, 8 (OVERLOAD_RATE: about twice what the
 #    engine sustains on S2; the S2 parts above say what that is).

@@ -1,7 +1,7 @@
 """What reading an adapter's rows from the pool costs, with nothing else: a floor for the LoRA pair.
 
-Issue 4 asks shrink + expand to reach 60% of copy bandwidth at 64 tokens x 32 adapters (its bytes
-over the pair's device time). Whatever the kernels compute, they must gather each adapter's A^T
+The LoRA kernels are judged by the share of copy bandwidth they reach at 64 tokens x 32 adapters
+(their bytes over their device-busy time). Whatever the kernels compute, they must gather each adapter's A^T
 rows and B rows from pool rows at random places, through their row indices, and the expand cannot
 start before the shrink has ended. This module's kernel does only that gather: each program reads
 `tile_rows` row indices, then those rows' columns of its split, chunk by chunk (the same two-stage
