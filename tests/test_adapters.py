@@ -506,3 +506,23 @@ def test_unsupported_serve_dtype(tmp_path, dtype):
 
 def test_adapter_error_is_value_error():
     assert issubclass(AdapterError, ValueError)
+
+
+@pytest.mark.parametrize("dtype,alpha,std", [
+    (np.float32, 1e308, 0.05),   # lora_alpha / r overflows float32: an infinite scale
+    (np.float16, 8e5, 100.0),    # A fits float16, B * scale (1e5) x 100 is past its largest value
+    ("bfloat16", 8e10, 1e30),    # finite weights whose B * 1e10 overflows bfloat16 (and float32)
+])
+def test_scaled_weights_that_do_not_fit_the_dtype_are_refused(tmp_path, dtype, alpha, std):
+    """An adapter whose A or B * scale is not finite in the pool's dtype is refused when it is
+    packed for the pool (at registration), naming the layer and module, before any page holds it."""
+    from slora_jax.model.layout import AdapterLayout, pack_adapter
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    path = random_peft_adapter(tmp_path / "big", CFG, rank=8, alpha=alpha, std=std, targets=["q_proj"])
+    adapter = load_peft_adapter(path, CFG)
+    layout = AdapterLayout.of(adapter, CFG, 16)
+    with pytest.raises(AdapterError, match=r"layer \d+ q_proj lora_B \* scale .* not finite in"):
+        pack_adapter(adapter, layout, CFG, dtype)
+    ok = random_peft_adapter(tmp_path / "ok", CFG, rank=8, targets=["q_proj"])  # the same shape, sane
+    rows = pack_adapter(load_peft_adapter(ok, CFG), layout, CFG, dtype)
+    assert np.isfinite(rows.astype(np.float32)).all()

@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from slora_jax.model.config import TARGET_MODULES, ModelConfig
+from slora_jax.model.peft import AdapterError
 from slora_jax.model.tp import split_columns
 
 
@@ -79,8 +80,19 @@ def pack_adapter(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: in
         b = out[layer, slot.b_row * width: slot.b_row * width + slot.rank * fout].reshape(slot.rank, fout)
         # B [r, out] is a view of the file's [out, r] (load_peft_adapter): cast in that order,
         # then one float32 transpose (a cast and a transpose in one assignment is slower: it strides).
-        b[:w.rank] = np.ascontiguousarray(np.asarray(w.b.T, np.float32).T) * np.float32(w.scale)
+        with np.errstate(over="ignore", invalid="ignore"):  # _check_finite names what overflows
+            b[:w.rank] = np.ascontiguousarray(np.asarray(w.b.T, np.float32).T) * np.float32(w.scale)
+        _check_finite(adapter.name, layer, module, a[:w.rank], b[:w.rank], w.scale, dtype)
     return out.reshape(cfg.num_hidden_layers, layout.rows, width)
+
+
+def _check_finite(name: str, layer: int, module: str, a: np.ndarray, b: np.ndarray, scale: float, dtype) -> None:
+    """Refuse an adapter whose A, or B times its scale, does not fit the pool's dtype: one
+    non-finite value would put NaN or inf into every row that reads it."""
+    for what, m in (("lora_A", a), ("lora_B * scale", b)):
+        if not np.isfinite(m).all():
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} {what} (scale {scale:g}) has values "
+                               f"that are not finite in {np.dtype(dtype).name}")
 
 
 def _pack_split(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: int) -> np.ndarray:
@@ -92,7 +104,9 @@ def _pack_split(adapter, layout: AdapterLayout, cfg: ModelConfig, dtype, tp: int
         a = np.zeros((slot.rank, fin), dtype)
         a[:w.rank] = w.a.T
         b = np.zeros((slot.rank, fout), dtype)
-        b[:w.rank] = np.asarray(w.b, np.float32) * np.float32(w.scale)  # w.b: [r, out]
+        with np.errstate(over="ignore", invalid="ignore"):
+            b[:w.rank] = np.asarray(w.b, np.float32) * np.float32(w.scale)  # w.b: [r, out]
+        _check_finite(adapter.name, layer, module, a[:w.rank], b[:w.rank], w.scale, dtype)
         out[layer, slot.a_row:slot.a_row + slot.a_rows] = split_columns(a, slot.a_rows, width, tp)
         out[layer, slot.b_row:slot.b_row + slot.b_rows] = split_columns(b, slot.b_rows, width, tp)
     return out
