@@ -254,6 +254,31 @@ def test_no_server_path_in_responses(env):
     assert_serves(st.url)
 
 
+def test_concurrent_first_loads_of_one_name_register_it_once(env):
+    """Ten loads of one new name at once: one registers it (200), the other nine see it loaded
+    (400 adapter_exists), as if they had come one after another; none silently replaces another."""
+    st, srv, allowed, _ = env
+    body = {"lora_name": "racer", "lora_path": str(allowed / "good")}
+    newest = srv.llm.store._version  # the store's registration counter: one more per registration
+    results: list = [None] * 10
+    start = threading.Barrier(10)
+
+    def load(i):
+        start.wait()
+        results[i] = post(st.url, "/v1/load_lora_adapter", body)
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200] + [400] * 9, [(r.status_code, r.text[:120]) for r in results]
+    assert all(r.json()["error"]["code"] == "adapter_exists" for r in results if r.status_code == 400)
+    assert srv.llm.store.entries["racer"].version == newest + 1  # one registration, never replaced
+    assert post(st.url, "/v1/unload_lora_adapter", {"lora_name": "racer"}).status_code == 200
+    assert_serves(st.url)
+
+
 def test_engine_errors_name_no_path():
     """An engine failure (an adapter's files gone from disk) reaches the client without the path."""
     e = EngineError("engine step failed: [Errno 2] No such file or directory: "

@@ -509,12 +509,23 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         if name == srv.base:
             raise bad(f"{name!r} is the base model's name", "lora_name")
         inplace = get_bool(body, "load_inplace")
+        exists = bad(f"The lora adapter '{name}' has already been loaded; pass load_inplace: true to "
+                     "replace it", "lora_name", "adapter_exists")
         if name in srv.llm.store.entries and not inplace:
-            raise bad(f"The lora adapter '{name}' has already been loaded; pass load_inplace: true to "
-                      "replace it", "lora_name", "adapter_exists")
+            raise exists
         real = check_adapter_path(path, srv.allowed)
+
+        def load():
+            # Checked again on the engine thread, where loads run one at a time: of several
+            # concurrent first loads of one name, one registers it and the others see it loaded,
+            # exactly as if they had come one after another.
+            if name in srv.llm.store.entries and not inplace:
+                raise exists
+            srv.llm.load_adapter(name, real)
         try:
-            await srv.engine.call(lambda: srv.llm.load_adapter(name, real))
+            await srv.engine.call(load)
+        except APIError:
+            raise
         except EngineError as e:
             raise from_engine_error(e) from None
         except (ValueError, OSError) as e:
