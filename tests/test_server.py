@@ -89,6 +89,17 @@ class aligned:
         self.srv.engine.resume()
 
 
+
+def start_cli_server(model_dir, extra: list[str], stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+    """`slora-jax serve` on the tiny demo model in a subprocess on a free port: (process, its URL)."""
+    cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
+           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup", *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    line = p.stdout.readline()
+    m = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
+    assert m, (line, p.poll())
+    return p, m.group(1)
+
 def wait_idle(url, timeout=30.0, headers=None) -> dict:
     """/stats once nothing runs, waits or holds KV pages (fails after `timeout`)."""
     t0 = time.monotonic()
@@ -492,17 +503,9 @@ def test_cli_engine_flags(capsys, monkeypatch):
 def test_cli_serve(demo):
     """`python -m slora_jax serve` starts, prints one line saying where it listens, and serves."""
     model_dir, paths = demo
-    cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
-           "--lora-modules", f"a={paths[ADAPTERS[0]]}", json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}),
-           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup",
-           "--api-key", "sk-cli"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    p, url = start_cli_server(model_dir, ["--lora-modules", f"a={paths[ADAPTERS[0]]}",
+                                          json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}), "--api-key", "sk-cli"])
     try:
-        line = p.stdout.readline()
-        m = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
-        assert m, (line, p.poll())
-        url = m.group(1)
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
         auth = {"Authorization": "Bearer sk-cli"}

@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_server, text, wait_idle
+from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_cli_server, start_server, text, wait_idle
 
 from slora_jax import SamplingParams
 from slora_jax.demo import prepare
@@ -297,16 +295,8 @@ def test_sigterm_drains(tmp_path_factory):
     and a long non-stream request past --shutdown-timeout end with an error event + [DONE] and
     a 503; the process exits 0 and logs no traceback."""
     model_dir, paths = demo_dir(tmp_path_factory)
-    cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
-           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup",
-           "--shutdown-timeout", "4", "--log-level", "info"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    p, url = start_cli_server(model_dir, ["--shutdown-timeout", "4", "--log-level", "info"], stderr=subprocess.PIPE)
     try:
-        line = p.stdout.readline()
-        m = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
-        assert m, (line, p.poll())
-        url = m.group(1)
         short = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.0}
         long = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=short, timeout=300).status_code == 200  # compiles
