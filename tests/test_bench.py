@@ -338,7 +338,7 @@ def server_url(tmp_path):
         pytest.skip("needs SLORA_BENCH_SERVER_URL, or SLORA_BENCH_HTTP=1 and slora_jax.serve.app (~15 s more)")
     e = load_workload("S1-cpu").engine_options
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
-           "--no-warmup", "--served-model-name", "tiny", "--allowed-adapter-dirs", str(tmp_path),
+           "--warmup", "off", "--served-model-name", "tiny", "--allowed-adapter-dirs", str(tmp_path),
            "--max-lora-rank", str(e["max_lora_rank"]), "--max-num-seqs", str(e["max_num_seqs"]),
            "--pool-pages", str(e["pool_pages"]), "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
            "--max-loras", str(e["max_loras"]), "--page-size", str(e["page_size"])]

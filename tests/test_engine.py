@@ -721,14 +721,21 @@ def test_adapter_regions_that_leave_no_kv_are_refused(paths):
                  baseline=AdapterMemoryBaseline("padded_slots", 4))  # 4 * 18 pages > 63
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain_steps", "async_scheduling"])
-def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap):
-    """After warmup, a base-model request of any length up to max_context meets no new step shape
-    and no backend compile, and the null-page steps it ran leave outputs as the shared engine's."""
+@pytest.mark.parametrize("overlap,background", [(False, False), (True, False), (False, True)],
+                         ids=["plain_steps", "async_scheduling", "background"])
+def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap, background):
+    """After warmup (before serving, or on a background thread), a base-model request of any length
+    up to max_context meets no new step shape and no backend compile, and outputs are the shared
+    engine's."""
     from jax import monitoring
     eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
                    async_scheduling=overlap)
-    n = eng.warmup(max_context=32, progress=False)
+    if background:
+        done = []
+        eng.engine.warmup_in_background(max_context=32, on_done=lambda count, _: done.append(count)).join(120)
+        n = done[0]
+    else:
+        n = eng.warmup(max_context=32, progress=False)
     compiles = []
     monitoring.register_event_duration_secs_listener(
         lambda event, duration, **_: compiles.append(event) if event == COMPILE_EVENT else None)

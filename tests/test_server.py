@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class aligned:
 def start_cli_server(model_dir, extra: list[str], stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
     """`slora-jax serve` on the tiny demo model in a subprocess on a free port: (process, its URL)."""
     cmd = [sys.executable, "-m", "slora_jax", "serve", "--model", str(model_dir), "--served-model-name", "base",
-           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--no-warmup", *extra]
+           "--dtype", "float32", "--pool-pages", "64", "--max-lora-rank", "32", "--port", "0", "--warmup", "off", *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     line = p.stdout.readline()
     m = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
@@ -501,10 +502,15 @@ def test_cli_engine_flags(capsys, monkeypatch):
 
 
 def test_cli_serve(demo):
-    """`python -m slora_jax serve` starts, prints one line saying where it listens, and serves."""
+    """`python -m slora_jax serve` starts, prints one line saying where it listens, and serves at
+    once while its step buckets compile in the background (the default), saying when all are."""
     model_dir, paths = demo
     p, url = start_cli_server(model_dir, ["--lora-modules", f"a={paths[ADAPTERS[0]]}",
-                                          json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}), "--api-key", "sk-cli"])
+                                          json.dumps({"name": "b", "path": paths[ADAPTERS[1]]}), "--api-key", "sk-cli",
+                                          "--warmup", "background", "--max-model-len", "64", "--max-num-seqs", "2"])
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
     try:
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
@@ -514,6 +520,13 @@ def test_cli_serve(demo):
         done = httpx.post(url + "/v1/completions", headers=auth, timeout=300,  # compiles its step shapes
                           json={"model": "a", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.0}).json()
         assert done["usage"]["completion_tokens"] == 3, done
+        deadline = time.monotonic() + 600
+        while not any("every step bucket compiled" in ln for ln in lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started = [ln for ln in lines if "step buckets in the background" in ln]
+        finished = [ln for ln in lines if "every step bucket compiled" in ln]
+        assert started and finished, lines
+        assert re.search(r"compiling (\d+) step", started[0]).group(1) == re.search(r"\((\d+) in", finished[0]).group(1)
     finally:
         p.terminate()
         try:

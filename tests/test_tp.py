@@ -82,7 +82,7 @@ def test_tensor_parallel_options():
         LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel_size=2)  # this process has one device
     server = pytest.importorskip("slora_jax.serve.cli", reason="the server's dependencies (fastapi) are not installed")
     with pytest.raises(ValueError, match="needs 2 devices"):  # the server's flag reaches the engine
-        server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--no-warmup",
+        server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--warmup", "off",
                      "--tensor-parallel-size", "2"])
 
 

@@ -123,6 +123,11 @@ class Engine:
                 raise ValueError(f"the adapter store lays rows out for {store.tp} devices, the engine runs on "
                                  f"{tp} (AdapterStore(..., tp=tensor_parallel_size))")
             self.params = tp_mod.shard_params(params, self.tp)
+        else:
+            # Committed to the device, as the pool is: a step that reads no pool page (a fresh
+            # prompt) then still returns committed K/V, so each step shape compiles once, warm-up
+            # included (no copy: the arrays are on the device already).
+            self.params = jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self.max_model_len = max_model_len
         # Not on the CPU: XLA:CPU's cached executables can crash the process that loads them (known
         # JAX bugs), and CPU compiles are short. GPU compiles are what the cache saves.
@@ -380,6 +385,11 @@ class Engine:
                workers: int | None = None) -> int:
         """Compile every shape of `warmup_shapes` with a progress bar (warmup.compile_shapes)."""
         return warmup_mod.compile_shapes(self, self.warmup_shapes(max_context, lora), progress, workers)
+
+    def warmup_in_background(self, max_context: int | None = None, lora: bool = True, workers: int | None = None,
+                             on_done=None):
+        """The same shapes compiled on a thread while the engine serves (warmup.compile_in_background)."""
+        return warmup_mod.compile_in_background(self, self.warmup_shapes(max_context, lora), workers, on_done)
 
     def _slot_buckets(self, most: int, rows: int, decode: bool) -> list[int]:
         """Every slot bucket of a step of `rows` tokens with at most `most` distinct adapters."""

@@ -2,19 +2,22 @@
 
 A step's shape is its bucket: decode steps at every batch bucket x page-table bucket, prefill
 steps at every token bucket x key window, each again with LoRA at every slot bucket on each
-module set. `warmup_shapes` lists them as null inputs (every read and write goes to the null
-page); `compile_shapes` compiles them and runs each once.
+module set. `warmup_shapes` lists them as null inputs; `compile_shapes` compiles them without
+running them, before serving, and `compile_in_background` on a thread while the engine serves.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from slora_jax.engine import step as paged
+from slora_jax.model import tp as tp_mod
 from slora_jax.engine.inputs import pow2
 from slora_jax.engine.scheduler import MAX_PREFILL_SEQS
 
@@ -58,31 +61,65 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     return shapes
 
 
-def compile_shapes(engine, shapes: list[paged.StepInputs], progress: bool = True, workers: int | None = None) -> int:
-    """Compile every shape, `workers` at a time (threads; default 1), with a progress bar; then
-    run each once on the null page (commit_kv compiles there). With the persistent compilation
-    cache a restart loads them instead. Returns how many. More than one worker compiles shapes
-    side by side; on a GPU, XLA autotunes its GEMMs by timing them on the device, and concurrent
-    compiles may time each other's kernels, so one is the default."""
-    def compile_one(inp):
-        if engine.tp is not None:
-            paged.forward_sample_tp.lower(engine.params, engine.kv, inp, cfg=engine.cfg, tp=engine.tp).compile()
-        else:
-            paged.forward_sample.lower(engine.params, engine.kv, inp, cfg=engine.cfg).compile()
-        kind = "decode" if inp.decode else "prefill"
-        slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
-        return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
+def compile_step(engine, inp: paged.StepInputs, spec) -> str:
+    """Compile the step of `inp`'s shape, both of its jits (forward_sample and commit_kv), without
+    running it: the pool enters as `spec` (pool_spec's ShapeDtypeStructs with the pool's shardings), so
+    this is safe on any thread while the engine thread steps (and donates) the real pool. A later
+    step of that shape finds both executables in jit's cache. Returns a label for progress bars."""
+    if engine.tp is not None:
+        lowered = paged.forward_sample_tp.lower(engine.params, spec, inp, cfg=engine.cfg, tp=engine.tp)
+    else:
+        lowered = paged.forward_sample.lower(engine.params, spec, inp, cfg=engine.cfg)
+    lowered.compile()
+    # The step's new K/V as commit_kv receives it: committed to the pool's device(s).
+    kv_sharding = engine.tp.sharding(tp_mod.KV) if engine.tp is not None else jax.tree.leaves(spec)[0].sharding
+    new_kv = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=kv_sharding), lowered.out_info[0])
+    if engine.tp is not None:
+        paged.commit_kv_tp.lower(spec, new_kv, inp.kv_slot, tp=engine.tp).compile()
+    else:
+        paged.commit_kv.lower(spec, new_kv, inp.kv_slot).compile()
+    engine._shapes.add(shape_key(inp))
+    kind = "decode" if inp.decode else "prefill"
+    slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
+    return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
 
+
+def pool_spec(engine):
+    """The engine's pool as ShapeDtypeStructs (shape, dtype, sharding): what compile_step lowers on."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), engine.kv)
+
+
+def compile_shapes(engine, shapes: list[paged.StepInputs], progress: bool = True, workers: int | None = None,
+                   spec=None) -> int:
+    """Compile every shape (compile_step), smallest first, `workers` at a time (threads; default
+    1), with a progress bar. With the persistent compilation cache a restart loads them instead.
+    Returns how many. More than one worker compiles shapes side by side; on a GPU, XLA autotunes
+    its GEMMs by timing them on the device, and concurrent compiles may time each other's
+    kernels, so one is the default."""
+    spec = spec if spec is not None else pool_spec(engine)
+    shapes = sorted(shapes, key=lambda inp: inp.tokens.shape[0] * inp.page_table.shape[1])
     bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers or 1)) as pool:
-        for done in concurrent.futures.as_completed([pool.submit(compile_one, inp) for inp in shapes]):
+        for done in concurrent.futures.as_completed([pool.submit(compile_step, engine, inp, spec) for inp in shapes]):
             bar.set_postfix_str(done.result())
             bar.update()
-    results = None
-    for inp in shapes:  # now cache hits
-        results = engine._dispatch(inp)
-        engine._shapes.add(shape_key(inp))
     bar.close()
-    if results is not None:
-        np.asarray(results)
     return len(shapes)
+
+
+def compile_in_background(engine, shapes: list[paged.StepInputs], workers: int | None = None,
+                          on_done=None) -> threading.Thread:
+    """compile_shapes on a daemon thread, so the engine serves at once: a step whose shape is not
+    compiled yet compiles on first use, as without warm-up. `on_done(count, seconds)` runs on that
+    thread at the end."""
+    spec = pool_spec(engine)  # taken here: the engine thread replaces engine.kv at every step
+
+    def run():
+        t = time.perf_counter()
+        n = compile_shapes(engine, shapes, progress=False, workers=workers, spec=spec)
+        if on_done is not None:
+            on_done(n, time.perf_counter() - t)
+
+    thread = threading.Thread(target=run, name="slora-warmup", daemon=True)
+    thread.start()
+    return thread

@@ -157,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "then streams end with an error event and others get 503 (default: 30)")
     http.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows each request)")
     start = ap.add_argument_group("start-up")
-    start.add_argument("--no-warmup", action="store_true", help="skip compiling the step shapes at start-up")
+    start.add_argument("--warmup", choices=("background", "before-serving", "off"), default="background",
+                       help="compile the step shapes on a thread while serving (default: the port opens at once "
+                       "and a step whose shape is not compiled yet compiles on first use), all before the port "
+                       "opens, or not at all (each compiles on first use)")
     start.add_argument("--warmup-workers", type=at_least(1), default=1, help="threads compiling the step shapes")
     return ap
 
@@ -188,11 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     from slora_jax import LLM
     llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, **engine)
-    if not args.no_warmup:
-        # Compile every step bucket up to max_model_len before serving. The embedded default's
-        # adapters target mixed module sets, so few of its batches would meet the union's LoRA
-        # buckets: its warm-up compiles the base model's only.
-        llm.warmup(max_context=llm.max_model_len, workers=args.warmup_workers, lora=args.model is not None)
+    # Every step bucket up to max_model_len. The embedded default's adapters target mixed module
+    # sets, so few of its batches would meet the union's LoRA buckets: its warm-up compiles the
+    # base model's only.
+    warmup = dict(max_context=llm.max_model_len, workers=args.warmup_workers, lora=args.model is not None)
+    if args.warmup == "before-serving":
+        llm.warmup(**warmup)
+    elif args.warmup == "background":  # listed here, before the engine thread runs steps
+        from slora_jax.engine import warmup as warmup_mod
+        shapes = llm.engine.warmup_shapes(warmup["max_context"], warmup["lora"])
     app = build_app(llm, name or args.model, api_key=args.api_key, allowed_adapter_dirs=args.allowed_adapter_dirs,
                     max_in_flight=config.max_num_seqs + args.max_queued_requests,
                     request_timeout=args.request_timeout)
@@ -211,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
             shown = f"[{host}]" if ":" in host else host
             print(f"slora-jax: serving {app.state.server.base} + {len(llm.store.entries)} adapters on "
                   f"http://{shown}:{port} (OpenAI API at /v1, metrics at /metrics)", flush=True)
+            if args.warmup == "background":
+                print(f"slora-jax: compiling {len(shapes)} step buckets in the background", flush=True)
+                warmup_mod.compile_in_background(
+                    llm.engine, shapes, warmup["workers"],
+                    on_done=lambda n, sec: print(f"slora-jax: every step bucket compiled ({n} in {sec:.0f} s)",
+                                                 flush=True))
         await task
 
     asyncio.run(run())
