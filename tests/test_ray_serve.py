@@ -99,8 +99,9 @@ async def complete(client, model: str, text: str, stream: bool) -> list[int]:
     return ids
 
 
-async def run_all(url: str, jobs: list[tuple[str, str, bool]], concurrency: int = 16) -> list:
-    """Each (model, prompt, stream) through AsyncOpenAI; a result is token ids or the exception."""
+async def run_all(url: str, jobs: list[tuple[str, str, bool]], concurrency: int = 16, done: list | None = None) -> list:
+    """Each (model, prompt, stream) through AsyncOpenAI; a result is token ids or the exception.
+    `done`, if given, gets one item per finished request as it finishes."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     gate = asyncio.Semaphore(concurrency)
 
@@ -110,11 +111,20 @@ async def run_all(url: str, jobs: list[tuple[str, str, bool]], concurrency: int 
                 return await complete(client, *job)
             except Exception as e:  # noqa: BLE001 - the test inspects it
                 return e
+            finally:
+                if done is not None:
+                    done.append(job)
 
     try:
         return await asyncio.gather(*(one(j) for j in jobs))
     finally:
         await client.close()
+
+
+def llm_replicas() -> list[str]:
+    """The actor names of the LLMServer replicas."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if "LLMServer" in a["name"] and a["namespace"] == "serve")
 
 
 def replica_stats(timeout: float = 60.0) -> dict[str, dict]:
@@ -190,33 +200,41 @@ def test_load_replace_unload_through_ingress(cluster, single):
 
 def test_replica_killed_mid_run(cluster, single):
     url = cluster[0]
-    jobs = [(MODELS[i % len(MODELS)], prompt(500 + i), i % 3 == 0) for i in range(60)]
+    jobs = [(MODELS[i % len(MODELS)], prompt(500 + i), i % 3 == 0) for i in range(120)]
     ref = expected(single, [p for _, p, _ in jobs], [m for m, _, _ in jobs])
+    names = llm_replicas()
+    assert len(names) == 2, names
 
     async def run_and_kill():
-        task = asyncio.ensure_future(run_all(url, jobs, concurrency=8))
-        await asyncio.sleep(1.0)
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if "LLMServer" in a["name"] and a["namespace"] == "serve"]
-        assert len(names) == 2, names
+        done: list = []
+        task = asyncio.ensure_future(run_all(url, jobs, concurrency=8, done=done))
+        while len(done) < 10:
+            await asyncio.sleep(0.01)
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-        return await asyncio.wait_for(task, timeout=300)
+        killed_at = len(done)
+        return await asyncio.wait_for(task, timeout=300), killed_at
 
-    results = asyncio.run(run_and_kill())
+    (results, killed_at) = asyncio.run(run_and_kill())
+    assert killed_at < len(jobs) - 8, "the run ended before the kill"
     unavailable = 0
     for r, want in zip(results, ref):
         if isinstance(r, list):
             assert r == want
         else:
             assert isinstance(r, openai.APIError), repr(r)
-            assert getattr(r, "status_code", None) == 503 or "replica" in str(r), repr(r)
+            assert getattr(r, "status_code", None) == 503 or "replica_unavailable" in str(r), repr(r)
             unavailable += 1
-    print(f"killed one replica: {len(results) - unavailable} completed, {unavailable} got 503")
+    print(f"killed a replica after {killed_at} of {len(jobs)} requests: {len(jobs) - unavailable} completed, "
+          f"{unavailable} got 503")
 
     t0 = time.monotonic()
-    while serve.status().applications[APP].deployments["LLMServer"].replica_states.get("RUNNING", 0) < 2:
-        assert time.monotonic() - t0 < 240, serve.status().applications[APP].deployments["LLMServer"]
+    while True:
+        now = llm_replicas()
+        states = serve.status().applications[APP].deployments["LLMServer"].replica_states
+        if names[0] not in now and len(now) == 2 and states.get("RUNNING", 0) == 2 and len(states) == 1:
+            break
+        assert time.monotonic() - t0 < 240, (now, states)
         time.sleep(1.0)
-    print(f"2 healthy replicas again after {time.monotonic() - t0:.1f} s")
+    print(f"2 healthy replicas again {time.monotonic() - t0:.1f} s after the run")
     again = asyncio.run(run_all(url, jobs[:8]))
     assert again == ref[:8]
