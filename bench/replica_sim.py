@@ -54,6 +54,17 @@ BYTES_PER_RANK = LAYERS * TARGETS * 2 * HIDDEN * 2  # A and B, bf16: 2 MiB per u
 H2D_BYTES_PER_S = 25e9                          # pinned host -> H200 over PCIe 5 x16, half its peak
 MAX_PREFILL_SEQS = 32                           # the measured runs' max_prefill_seqs
 SPILL_OVER = 64                                 # in-flight requests over the least loaded replica
+ASSUMPTIONS = [
+    "S2 trace (bench/trace.py), rate_per_replica x replicas req/s, uniform adapter popularity, ranks 64/32/16/8",
+    "one replica = one H200 running llama-7b bf16; step costs are lines fitted to the COST_RUNS JSONs",
+    "prefill: fixed cost = the decode intercept, per-token slope fitted to the two base runs; "
+    "every distinct adapter in a step adds decode_per_adapter_s",
+    "an adapter page-in costs its bytes (2 MiB per rank unit: q,k,v,o of 32 layers, bf16) at 25 GB/s "
+    "plus the measured host time per load, on the critical path of its prefill step (no prefetch overlap)",
+    "the pool keeps adapters in an LRU cache of the largest adapter share measured (480 adapters of mean rank)",
+    "KV memory is not modelled beyond max_num_seqs; no early abort, no preemption; FCFS admission",
+    "the router sees each replica's in-flight count at once (no reporting delay)",
+]
 
 
 def _read(rel: str) -> dict:
@@ -247,7 +258,7 @@ def main(argv=None) -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"command": "python bench/replica_sim.py " + " ".join(argv or sys.argv[1:]),
-                                        "commit": commit, "costs": costs, "spill_over": SPILL_OVER,
+                                        "commit": commit, "assumptions": ASSUMPTIONS, "costs": costs, "spill_over": SPILL_OVER,
                                         "max_prefill_seqs": MAX_PREFILL_SEQS, "rows": rows}, indent=1))
 
 
