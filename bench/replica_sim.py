@@ -84,7 +84,8 @@ def measured_costs() -> dict:
     d_seq = (t2 - t1) / (b2 - b1)
     d0 = t1 - d_seq * b1
     u = kinds("unified_r40")
-    d_adapter = (u["decode_step_s_mean"] - d0 - d_seq * u["decode_seqs_per_step_mean"]) / u["decode_adapters_per_step_mean"]
+    d_adapter = ((u["decode_step_s_mean"] - d0 - d_seq * u["decode_seqs_per_step_mean"])
+                 / u["decode_adapters_per_step_mean"])
 
     # prefill: p0 + p_tok * tokens; tokens per step from the trace's prompt tokens of finished requests
     def prefill_point(k):
@@ -168,7 +169,8 @@ class Replica:
                 heapq.heappush(self.finish_heap, (self.decodes + out - 1, a))
             return True
         if self.running:
-            self.t += c["decode_s"] + c["decode_per_seq_s"] * self.running + c["decode_per_adapter_s"] * len(self.adapters)
+            self.t += (c["decode_s"] + c["decode_per_seq_s"] * self.running
+                       + c["decode_per_adapter_s"] * len(self.adapters))
             self.decodes += 1
             self.tokens += self.running
             while self.finish_heap and self.finish_heap[0][0] <= self.decodes:

@@ -26,9 +26,9 @@ Two deployments make the application:
   whose process is gone. A request whose replica fails before answering gets 503 (code
   replica_unavailable, Retry-After); a stream that already started ends with an error event and
   [DONE]. Nothing is retried once sent, so no request runs twice.
-- Metrics: each replica's /metrics is its own registry (GET /metrics on the ingress reaches one
-  replica); every numeric field of Engine.stats() is also exported as a Ray metric
-  `slora_engine_<field>`, which Ray tags with the deployment and replica.
+- Metrics: each replica's /metrics is its own registry (GET /metrics, /stats and /v1/adapters on
+  the ingress reach one replica); every numeric field of Engine.stats() is also exported as a Ray
+  metric `slora_engine_<field>`, which Ray tags with the deployment and replica.
 
 Start it with `slora-jax serve --replicas N` (a local Ray instance), `serve run
 slora_jax.serve.replicas:app model=... replicas=N`, or `serve deploy` with a configs/serve file.
@@ -190,6 +190,13 @@ class LLMServer:
         s = await self.srv.engine.stats()
         return {"replica": serve.get_replica_context().replica_tag, "registered": sorted(self.llm.store.entries),
                 **s}
+
+    def __del__(self):
+        """Serve's graceful shutdown (after in-flight requests had graceful_shutdown_timeout_s to
+        finish): stop the engine thread; requests still running get 503."""
+        srv = getattr(self, "srv", None)
+        if srv is not None and self.started:
+            srv.engine.shutdown(timeout=10)
 
     def check_health(self) -> None:
         """Serve's health check: fails once the engine thread has died (Serve then replaces us)."""
