@@ -108,7 +108,7 @@ async def call_asgi(app, method: str, path: str, query: bytes, headers: list, bo
                 parts.append(chunk)
             if not message.get("more_body", False):
                 break
-        if task.done() and task.exception() is not None and start is None and not parts and not streaming:
+        if task.done() and not task.cancelled() and task.exception() is not None and start is None:
             raise task.exception()
         if start is not None:
             yield start["status"], list(start.get("headers", [])), b"".join(parts)
@@ -370,9 +370,10 @@ class _Relay:
             raise
         except Exception as e:  # noqa: BLE001 - the replica died mid-stream: no retry, say so
             log.warning("replica failed mid-stream: %s", e)
-            err = json.dumps(REPLICA_UNAVAILABLE.body(), separators=(",", ":"))
-            await send({"type": "http.response.body", "body": f"data: {err}\n\ndata: [DONE]\n\n".encode(),
-                        "more_body": True})
+            if any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in self.headers):
+                err = json.dumps(REPLICA_UNAVAILABLE.body(), separators=(",", ":"))
+                await send({"type": "http.response.body", "body": f"data: {err}\n\ndata: [DONE]\n\n".encode(),
+                            "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
