@@ -6,7 +6,8 @@ demo model behind the ingress, driven through the official `openai` client.
 - Affinity, from the replicas' own counters (Engine.stats()['adapter_loads']): after a warm-up
   round, at least 90% of the adapter requests run on a replica that already holds their adapter,
   and no adapter is written into both replicas' pools.
-- An adapter loaded at run time, replaced, and unloaded through the ingress.
+- An adapter loaded at run time, replaced (never served stale), and unloaded through the ingress
+  (then gone from every replica).
 - A replica killed mid-run: every request completes or gets a 503, and Serve brings the
   application back to 2 healthy replicas.
 
@@ -196,6 +197,11 @@ def test_load_replace_unload_through_ingress(cluster, single):
     assert r.status_code == 200, r.text
     err = asyncio.run(run_all(url, [("late", prompt(3), False)]))[0]
     assert isinstance(err, openai.NotFoundError)
+    # Every replica unregisters it at its next request.
+    t0 = time.monotonic()
+    while any("late" in s["registered"] for s in replica_stats().values()):
+        assert time.monotonic() - t0 < 60, {r: "late" in s["registered"] for r, s in replica_stats().items()}
+        asyncio.run(run_all(url, [("tiny", prompt(4), False)] * 4))
 
 
 def test_replica_killed_mid_run(cluster, single):

@@ -20,8 +20,8 @@ Two deployments make the application:
   ingress; other replicas register it on their first request for it. Loading a name again bumps
   its version, so its model id changes and no replica serves the old weights: a replica that still
   holds the old version re-registers from the new path before it serves the request. Unloading
-  removes the name at the ingress (its requests get 404 at once); replicas keep the idle rows
-  until their host cache and pool evict them.
+  removes the name at the ingress (its requests get 404 at once), and every replica unregisters it
+  at its next request (the ingress sends the unloaded names along with each request).
 - Failure: Serve calls `check_health` on every replica and replaces one whose engine thread died or
   whose process is gone. A request whose replica fails before answering gets 503 (code
   replica_unavailable, Retry-After); a stream that already started ends with an error event and
@@ -164,10 +164,24 @@ class LLMServer:
             self.versions[name] = version
         return model_id
 
+    async def drop(self, removed: dict[str, int]) -> None:
+        """Unregister the adapters the ingress has unloaded ({name: last version}) that this replica
+        still holds; one with requests running here stays until a later request finds it idle."""
+        for name, version in removed.items():
+            if name in self.versions and self.versions[name] <= version:
+                try:
+                    await self.srv.engine.call(lambda name=name: self.llm.unload_adapter(name))
+                except (KeyError, RuntimeError):
+                    continue
+                del self.versions[name]
+
     async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes,
-                     adapter_path: str | None = None):
-        """One HTTP request through this replica's app (see `call_asgi` for what it yields)."""
+                     adapter_path: str | None = None, removed: dict | None = None):
+        """One HTTP request through this replica's app (see `call_asgi` for what it yields).
+        `removed`: adapters unloaded at the ingress, dropped here first (`drop`)."""
         self.ensure_started()
+        if removed:
+            await self.drop(removed)
         model_id = serve.get_multiplexed_model_id()
         if model_id:
             if adapter_path is not None:
@@ -235,6 +249,9 @@ class Ingress:
         self.allowed = [os.path.realpath(d) for d in (allowed_adapter_dirs or [])]
         # name -> (path, version): the adapters this application serves
         self.registry: dict[str, tuple[str, int]] = {n: (str(p), 0) for n, p in (adapters or {}).items()}
+        # name -> its last version: unloaded adapters, sent along with every request so that each
+        # replica drops them (a restarted replica too, which starts with the start-up adapters)
+        self.removed: dict[str, int] = {}
         self.lock = asyncio.Lock()
 
     def __serve_build_asgi_app__(self):
@@ -292,7 +309,7 @@ class Ingress:
         """Send a request to a replica and relay its answer: a 503 if the replica fails before
         answering; a stream that fails after its start ends with an error event and [DONE]."""
         handle = self.replicas.options(stream=True, **({"multiplexed_model_id": model_id} if model_id else {}))
-        gen = handle.handle.remote(method, path, query, headers, body, adapter_path)
+        gen = handle.handle.remote(method, path, query, headers, body, adapter_path, dict(self.removed) or None)
         try:
             status, headers, first = await gen.__anext__()
         except Exception as e:  # noqa: BLE001 - a dead or unreachable replica
@@ -331,6 +348,7 @@ class Ingress:
             if relay.status != 200:
                 return relay
             self.registry[name] = (real, version)
+            self.removed.pop(name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     def unload_adapter(self, body: bytes):
@@ -339,7 +357,7 @@ class Ingress:
             raise bad("lora_name must be a non-empty string", "lora_name", "invalid_type")
         if name not in self.registry:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
-        del self.registry[name]
+        self.removed[name] = self.registry.pop(name)[1]
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
