@@ -19,6 +19,7 @@ prefill budget, so each replica warms up a few step shapes only.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 
@@ -58,7 +59,8 @@ def cluster(tmp_path_factory):
     adapters = {n: paths[n] for n in ADAPTERS}
     port = free_port()
     t0 = time.monotonic()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    metrics_port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         application = build(str(model_dir), replicas=2, adapters=adapters, served_model_name="tiny",
@@ -67,7 +69,7 @@ def cluster(tmp_path_factory):
                             max_ongoing_requests=32, health_check_period_s=1.0, health_check_timeout_s=60.0)
         serve.run(application, name=APP, route_prefix="/")
         print(f"Ray + 2 replicas up in {time.monotonic() - t0:.1f} s")
-        yield f"http://127.0.0.1:{port}", model_dir, paths
+        yield f"http://127.0.0.1:{port}", model_dir, paths, metrics_port
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -76,7 +78,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(cluster):
     """One LLM of the same model and adapters in this process: the reference."""
-    _, model_dir, paths = cluster
+    _, model_dir, paths, _ = cluster
     return LLM(model_dir, adapters={n: paths[n] for n in ADAPTERS}, dtype="float32", **ENGINE)
 
 
@@ -171,9 +173,24 @@ def test_200_requests_match_one_llm_with_affinity(cluster, single):
     assert sum(s["adapter_loads"] for s in after.values()) <= len(ADAPTERS) + evictions + 2
 
 
+def test_engine_metrics_reach_ray_export_by_replica(cluster):
+    """Each replica's Engine.stats() gauges, in Ray's Prometheus export, tagged by replica."""
+    import httpx
+    url = f"http://127.0.0.1:{cluster[3]}/metrics"
+    t0, replicas = time.monotonic(), set()
+    while len(replicas) < 2:
+        assert time.monotonic() - t0 < 60, f"replicas seen in Ray's metrics: {replicas}"
+        time.sleep(2.0)
+        try:
+            text = httpx.get(url, timeout=10).text
+        except httpx.HTTPError:
+            continue
+        replicas = set(re.findall(r'^ray_slora_engine_requests_finished\{[^}]*replica="([^"]+)"', text, re.M))
+
+
 def test_load_replace_unload_through_ingress(cluster, single):
     import httpx
-    url, model_dir, paths = cluster
+    url, model_dir, paths, _ = cluster
     first, second = ALL_LINEAR[30], ALL_LINEAR[31]
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": paths[first]}, timeout=120)
     assert r.status_code == 200, r.text
