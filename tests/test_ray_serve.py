@@ -8,6 +8,7 @@ demo model behind the ingress, driven through the official `openai` client.
   and no adapter is written into both replicas' pools.
 - An adapter loaded at run time, replaced (never served stale), and unloaded through the ingress
   (then gone from every replica).
+- Each replica's engine gauges in Ray's metrics export, tagged by replica.
 - A replica killed mid-run: every request completes or gets a 503, and Serve brings the
   application back to 2 healthy replicas.
 
