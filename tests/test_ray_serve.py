@@ -23,6 +23,7 @@ import asyncio
 import re
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,23 @@ def replica_stats(timeout: float = 60.0) -> dict[str, dict]:
             s = r.result(timeout_s=timeout)
             seen[s["replica"]] = s
     return seen
+
+
+def test_serve_config_builds_the_application():
+    """configs/serve/llama-7b.yaml is a valid Serve config whose args build the application (no
+    Ray needed); bad args are clear errors."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from slora_jax.serve.replicas import app
+    config = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs/serve/llama-7b.yaml").read_text())
+    args = ServeDeploySchema.model_validate(config).applications[0].args
+    assert isinstance(app(args), serve.Application)
+    assert isinstance(app({**args, "async_scheduling": "false", "no_warmup": "true"}), serve.Application)
+    for bad_args, message in [({**args, "replicas": 0}, "--replicas"), ({**args, "max_num_seqs": "many"}, "many"),
+                              ({**args, "color": "red"}, "unknown arguments"), ({"replicas": 2}, "needs model")]:
+        with pytest.raises(ValueError, match=message):
+            app(bad_args)
 
 
 def test_200_requests_match_one_llm_with_affinity(cluster, single):

@@ -457,22 +457,36 @@ def from_cli(args, model: str, name: str | None, dtype: str, adapters: dict, eng
 
 
 def app(args: dict):
-    """The builder of `serve run slora_jax.serve.replicas:app model=... replicas=N key=value ...`:
-    every `slora-jax serve` flag is a key (dashes or underscores), lora-modules a space-separated
-    list of name=path."""
+    """The builder of `serve run slora_jax.serve.replicas:app model=... replicas=N key=value ...`
+    and of a Serve config's `args`: every `slora-jax serve` flag is a key (dashes or underscores);
+    lora_modules and allowed_adapter_dirs are space-separated lists; an on/off flag takes true or
+    false."""
+    import argparse
+
     from slora_jax.serve.cli import build_parser, engine_options, parse_lora_modules
     argv = []
     for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if value in (True, "true", "True") and key in ("no_warmup", "no-warmup"):
-            argv.append(flag)
-        elif key in ("lora_modules", "lora-modules", "allowed_adapter_dirs", "allowed-adapter-dirs"):
-            argv += [flag, *str(value).split()]
+        name = key.replace("_", "-")
+        if str(value).lower() in ("true", "false"):
+            on = str(value).lower() == "true"
+            if on or not name.startswith("no-"):
+                argv.append(f"--{name}" if on else f"--no-{name}")
+        elif name in ("lora-modules", "allowed-adapter-dirs"):
+            argv += [f"--{name}", *str(value).split()]
         else:
-            argv += [flag, str(value)]
-    parsed = build_parser().parse_args(argv)
-    if parsed.model is None:
-        raise ValueError("serve run needs model=<HF directory or configs/models shape>")
+            argv += [f"--{name}", str(value)]
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        parsed, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"slora_jax.serve.replicas:app: {e}") from None
+    if unknown:
+        raise ValueError(f"slora_jax.serve.replicas:app: unknown arguments {unknown}; the keys are "
+                         "slora-jax serve's flags")
+    if parsed.model is None or parsed.replicas is None:
+        raise ValueError("slora_jax.serve.replicas:app needs model=<HF directory or configs/models shape> "
+                         "and replicas=<N>")
     return from_cli(parsed, parsed.model, parsed.served_model_name, parsed.dtype or "bfloat16",
                     parse_lora_modules(parsed.lora_modules), engine_options(parsed))
 
