@@ -12,7 +12,7 @@ export JAX_PLATFORMS ?= cpu
 $(VENV)/.stamp: pyproject.toml
 	$(PY312) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,serve,bench]'
+	$(PIP) install -q -e '.[test,serve,bench,ray]'
 	touch $@
 
 # The correctness oracle (transformers + peft on torch, CPU, float32) lives in its own

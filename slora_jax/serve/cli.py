@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "and a step whose shape is not compiled yet compiles on first use), all before the port "
                        "opens, or not at all (each compiles on first use)")
     start.add_argument("--warmup-workers", type=at_least(1), default=1, help="threads compiling the step shapes")
+    start.add_argument("--replicas", type=at_least(1), default=None, help="serve N replicas of the engine on a "
+                       "local Ray instance (Ray Serve, adapter-affinity routing; docs/scale-out.md)")
     return ap
 
 
@@ -188,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         model, name, dtype = str(model_dir), name or "tiny", dtype or "float32"
         adapters = {**demo_adapters, **adapters}
 
+    if args.replicas:
+        from slora_jax.serve.replicas import from_cli, serve_forever
+        return serve_forever(from_cli(args, model, name, dtype or "bfloat16", adapters, engine), args.host,
+                             args.port, args.replicas, name or args.model)
     from slora_jax import LLM
     llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, **engine)
