@@ -6,6 +6,8 @@
 decode: B requests of context `--context` sit in the pool (random KV), and one jitted decode
 step is timed (median of `--iters`), without adapters and with min(B, 32) distinct rank-16
 adapters. Roofline = (weights + KV read + distinct adapters' weights) / measured copy bandwidth.
+dense: the dense floor at the same batches and context: the engine's own model with a contiguous
+KV cache, no pages and no LoRA (bench_dense_floor).
 
 throughput: `--requests` requests (prompt and output lengths from `--prompt-len`,
 `--max-tokens`, ignore_eos) over n rank-16 adapters (n=0: base model only), through
@@ -205,6 +207,48 @@ def bench_decode(llm: LLM, batch: int, context: int, adapters: list[str], iters:
             "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": ad_bytes}}
 
 
+def bench_dense_floor(llm: LLM, batch: int, context: int, iters: int, bw: float) -> dict:
+    """The dense floor of a decode step: the engine's own model (slora_jax.model.llama through
+    slora_jax.model.reference.dense_step) with a contiguous KV cache [B, context + 1] of random
+    values, no pages and no LoRA, one token a row at position `context`, timed as bench_decode."""
+    from slora_jax.model import reference
+    cfg = llm.cfg
+    cache = reference.empty_cache(cfg, batch, context + 1, llm.dtype)
+    keys = jax.random.split(jax.random.PRNGKey(2), len(cache))
+    fill = jax.jit(lambda k, a: a + 0.5 * jax.random.normal(k, a.shape, a.dtype), donate_argnums=1)
+    cache = [(fill(k, kc), fill(jax.random.fold_in(k, 1), vc)) for k, (kc, vc) in zip(keys, cache)]
+    rng = np.random.default_rng(batch)
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 1)), jnp.int32)
+    positions = jnp.full((batch, 1), context, jnp.int32)
+    zeros = jnp.zeros(batch, jnp.int32)
+    args = (tokens, positions, zeros, zeros, jnp.zeros(batch, jnp.float32), zeros, jnp.ones(batch, jnp.float32),
+            zeros, zeros)
+
+    def run(cache):
+        tok, _, cache = reference.dense_step(llm.params, cfg, None, cache, *args)
+        tok.block_until_ready()
+        return cache
+
+    t = time.perf_counter()
+    cache = run(cache)
+    first_s = time.perf_counter() - t
+    cache = run(cache)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        cache = run(cache)
+        ts.append(time.perf_counter() - t)
+    itemsize = jnp.dtype(llm.dtype).itemsize
+    kv_bytes = batch * context * cfg.num_hidden_layers * 2 * cfg.kv_size * itemsize
+    w_bytes = tree_bytes(llm.params)
+    roof = (w_bytes + kv_bytes) / bw
+    ms = float(np.median(ts)) * 1e3
+    del cache
+    return {"batch": batch, "context": context, "distinct_adapters": 0, "ms": ms, "kind": "dense_floor",
+            "first_call_s": first_s, "roofline_ms": roof * 1e3, "x_roofline": ms / (roof * 1e3),
+            "bytes": {"weights": w_bytes, "kv": kv_bytes, "adapters": 0}}
+
+
 def bench_throughput(llm: LLM, n_adapters: int, names: list[str], args) -> dict:
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, llm.cfg.vocab_size, int(rng.integers(*args.prompt_len))).tolist()
@@ -244,7 +288,7 @@ def main() -> None:
                          "max_lora_rank becomes their max (overrides --rank)")
     ap.add_argument("--decode-adapters", default="32",
                     help="comma list: distinct adapters in the decode rows (each capped at the batch)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,throughput")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,dense,throughput")
     ap.add_argument("--backends", default="xla/xla",
                     help="comma list of lora/attention backend pairs, each timed in this one run, "
                          "e.g. xla/xla,pallas/pallas,ranksplit/pallas (ratios between them come from one process)")
@@ -318,6 +362,14 @@ def main() -> None:
                     print(f"decode {pair:13s} B={b:4d} adapters={r['distinct_adapters']:3d}  {r['ms']:8.2f} ms  "
                           f"roofline {r['roofline_ms']:7.2f} ms  x{r['x_roofline']:.2f}  "
                           f"(first call {r['first_call_s']:.1f} s)", flush=True)
+    if "dense" not in skip:
+        rows = result["dense_floor"] = []
+        for b in (int(x) for x in args.batches.split(",")):
+            r = bench_dense_floor(llm, b, args.context, args.iters, bw)
+            rows.append(r)
+            save()
+            print(f"dense floor         B={b:4d}              {r['ms']:8.2f} ms  roofline {r['roofline_ms']:7.2f} ms  "
+                  f"x{r['x_roofline']:.2f}", flush=True)
     if "throughput" not in skip:
         rows = result["throughput"] = []
         for pair in (args.throughput_backends or args.backends).split(","):
