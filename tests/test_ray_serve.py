@@ -157,7 +157,8 @@ def test_serve_config_builds_the_application():
     config = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs/serve/llama-7b.yaml").read_text())
     args = ServeDeploySchema.model_validate(config).applications[0].args
     assert isinstance(app(args), serve.Application)
-    assert isinstance(app({**args, "async_scheduling": "false", "no_warmup": "true"}), serve.Application)
+    assert isinstance(app({**args, "async_scheduling": "false", "warmup": "off"}), serve.Application)
+    assert isinstance(app({**args, "warmup": "before-serving"}), serve.Application)
     for bad_args, message in [({**args, "replicas": 0}, "--replicas"), ({**args, "max_num_seqs": "many"}, "many"),
                               ({**args, "color": "red"}, "unknown arguments"), ({"replicas": 2}, "needs model")]:
         with pytest.raises(ValueError, match=message):

@@ -449,8 +449,10 @@ def build(model: str, replicas: int = 2, adapters: dict | None = None, served_mo
 
 def from_cli(args, model: str, name: str | None, dtype: str, adapters: dict, engine: dict):
     """`build` from `slora-jax serve`'s parsed flags (serve/cli.py)."""
-    warmup = None if args.no_warmup else {"max_context": args.max_model_len, "workers": args.warmup_workers,
-                                          "lora": args.model is not None}
+    # A replica joins Serve's router only once its constructor returns, so "background" and
+    # "before-serving" both compile there: traffic never reaches a replica still compiling.
+    warmup = None if args.warmup == "off" else {"max_context": args.max_model_len, "workers": args.warmup_workers,
+                                                "lora": args.model is not None}
     llm_options = {"seed": args.seed, "quantization": args.quantization, "max_model_len": args.max_model_len}
     return build(model, args.replicas, adapters, name or args.model, dtype, engine, llm_options, args.api_key,
                  args.allowed_adapter_dirs, warmup)
