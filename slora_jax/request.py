@@ -18,8 +18,9 @@ class RequestOutput:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
     text: str | None = None
-    finish_reason: str | None = None  # "length" | "stop" | "abort"
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     abort_reason: str | None = None
+    error_code: str | None = None     # finish_reason "error": why, as an OpenAI error code
     adapter: str | None = None
 
     @property

@@ -6,11 +6,12 @@ the field; malformed Unicode and deep nesting are 400s; tokenizing a large body 
 answering; the message count and a chat's characters (names and roles too) are bounded; a body
 that stops half-way gets 408 within the timeout; every route but /health and /metrics wants the
 key; no response shows an absolute server path; an adapter whose output overflows ends its own
-request with an error and never puts NaN into JSON. Each case ends with the server still serving
-and its engine idle with no KV page held.
+request with an error and never puts NaN into JSON, logprobs asked or not; a step that fails
+whenever one request's row is in it fails that request alone (the fault injected through the
+engine's input builder); an adapter whose file is gone after registration fails only its own
+requests. Each case ends with the server still serving and its engine idle with no KV page held.
 
-A chaos run mixes good requests with hostile ones, dropped streams and adapter loads and unloads
-from four clients at once; the good answers equal LLM.generate's.
+The chaos run, which mixes all of these, is in test_server_chaos.py.
 
 Also here: SIGTERM on `slora-jax serve` in a subprocess drains (new requests 503 + Retry-After,
 running ones finish or end with an error event and [DONE], no traceback logged), and the demo's
@@ -31,9 +32,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import ALL_LINEAR, ADAPTERS, demo_dir, start_cli_server, start_server, text, wait_idle
+from test_server import (ALL_LINEAR, ADAPTERS, demo_dir, reference, start_cli_server, start_server, text,
+                         wait_idle)
 
-from slora_jax import SamplingParams
 from slora_jax.demo import prepare
 from slora_jax.serve.async_engine import EngineError
 from slora_jax.serve.protocol import MAX_MESSAGES, from_engine_error, hide_paths
@@ -51,10 +52,22 @@ def env(tmp_path_factory):
     shutil.copytree(paths[ALL_LINEAR[20]], allowed / "good")
     shutil.copytree(paths[ALL_LINEAR[20]], allowed / "no-weights")
     (allowed / "no-weights" / "adapter_model.safetensors").unlink()
+    overflow(paths[ALL_LINEAR[21]], allowed / "huge")
     st, srv = start_server(model_dir, {n: paths[n] for n in SERVED}, api_key=KEY,
                            allowed_adapter_dirs=[str(allowed)], request_timeout=TIMEOUT)
     yield st, srv, allowed, model_dir
     st.stop()
+
+
+def overflow(src, dst) -> Path:
+    """A copy of adapter `src` whose weights are all 1e30: finite, so registration takes it, but its
+    activations overflow."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    f = Path(dst) / "adapter_model.safetensors"
+    save_file({k: np.full_like(v, 1e30) for k, v in load_file(f).items()}, f)
+    return Path(dst)
 
 
 def post(url, path, body=None, *, content=None, headers=H, timeout=120):
@@ -366,13 +379,8 @@ def test_demo_rebuilds_half_written_cache(tmp_path):
 @pytest.fixture(scope="module")
 def overflowing(tmp_path_factory):
     """A server whose one adapter has finite weights of 1e30, so its activations overflow."""
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
     model_dir, paths = demo_dir(tmp_path_factory)
-    bad = tmp_path_factory.mktemp("overflow") / "huge"
-    shutil.copytree(paths[ALL_LINEAR[21]], bad)
-    f = bad / "adapter_model.safetensors"
-    save_file({k: np.full_like(v, 1e30) for k, v in load_file(f).items()}, f)
+    bad = overflow(paths[ALL_LINEAR[21]], tmp_path_factory.mktemp("overflow") / "huge")
     st, srv = start_server(model_dir, {"huge": str(bad)}, api_key=KEY)
     yield st, srv
     st.stop()
@@ -403,86 +411,123 @@ def test_non_finite_output_ends_that_request_alone(overflowing):
     assert s["kv_pages"] == 0 and srv.engine.in_flight == 0
 
 
-# ---------------------------------------------------------------------------------------------
-# chaos
+def concurrently(*calls):
+    """Run each zero-argument call on its own thread, all at once: their results, in order."""
+    results: list = [None] * len(calls)
+    start = threading.Barrier(len(calls))
 
-CHAOS_SECONDS = 20
-HOSTILE = [  # raw bodies that must each get a 4xx and harm no one else
-    json.dumps({"prompt": "x", "top_k": 2**31}).encode(),
-    json.dumps({"prompt": "x", "seed": 2**70, "max_tokens": 2}).encode(),
-    b'{"prompt": "a\\ud800", "max_tokens": 2}',
-    b'{"model": "\\udfff", "prompt": "x"}',
-    b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-    b'{"prompt": "x", "temperature": NaN}',
-    b'{"prompt": "x", "temperature": 1e999}',
-    b"{not json",
-    json.dumps({"model": "nope", "prompt": "x"}).encode(),
-    json.dumps({"prompt": [1, 10**6]}).encode(),
-]
-
-
-def test_chaos_good_outputs_unchanged(env):
-    """For CHAOS_SECONDS, four clients at once: good greedy requests (streamed or not, base model and
-    adapters), hostile bodies, streams dropped after their first chunk, and loads and unloads of a
-    spare adapter. Every good answer equals LLM.generate's, every hostile one is a 4xx, and the
-    engine ends idle with no KV page held."""
-    import random
-    st, srv, allowed = env[:3]
-    good, errors = [], []
-    stop_at = time.monotonic() + CHAOS_SECONDS
-
-    def client(seed: int):
-        rng = random.Random(seed)
-        with httpx.Client(base_url=st.url, headers=H, timeout=120) as c:
-            i = 0
-            while time.monotonic() < stop_at:
-                i += 1
-                kind = rng.choice(["good", "good", "hostile", "drop", "adapter"])
-                try:
-                    if kind == "good":
-                        model, n = rng.choice([None, *SERVED]), seed * 1000 + i
-                        body = {"prompt": text(n), "max_tokens": 6, "temperature": 0, "return_token_ids": True,
-                                **({"model": model} if model else {})}
-                        if rng.random() < 0.5:
-                            r = c.post("/v1/completions", json=body)
-                            assert r.status_code == 200, r.text
-                            ids = r.json()["choices"][0]["token_ids"]
-                        else:
-                            ids = []
-                            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                                assert r.status_code == 200
-                                for ln in r.iter_lines():
-                                    if ln.startswith("data: {"):
-                                        ids += json.loads(ln[6:])["choices"][0]["token_ids"]
-                        good.append((model, text(n), ids))
-                    elif kind == "hostile":
-                        r = c.post("/v1/completions", content=rng.choice(HOSTILE),
-                                   headers={"Content-Type": "application/json"})
-                        assert 400 <= r.status_code < 500 and "error" in r.json(), r.text[:300]
-                    elif kind == "drop":
-                        with c.stream("POST", "/v1/completions", json={"prompt": text(i), "max_tokens": 6,
-                                                                        "stream": True, "model": SERVED[1]}) as r:
-                            next(r.iter_lines())
-                    else:
-                        r = c.post("/v1/load_lora_adapter", json={"lora_name": "spare", "lora_path":
-                                                                  str(allowed / "good"), "load_inplace": True})
-                        assert r.status_code == 200, r.text
-                        r = c.post("/v1/unload_lora_adapter", json={"lora_name": "spare"})
-                        assert r.status_code in (200, 400, 404), r.text
-                except Exception as e:  # noqa: BLE001 - collected and reported below
-                    errors.append(f"{kind}: {e!r}")
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    def run(i):
+        start.wait()
+        results[i] = calls[i]()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(CHAOS_SECONDS + 300)
-    assert not errors, errors[:5]
-    assert len(good) >= 8, len(good)
-    sp = SamplingParams(max_tokens=6, temperature=0.0)
-    ref = srv.engine.call_sync(lambda: srv.llm.generate([p for _, p, _ in good], sp,
-                                                        adapter=[m for m, _, _ in good]))
-    assert [ids for _, _, ids in good] == [o.token_ids for o in ref]
+        t.join(300)
+    return results
+
+
+def completion(url, model, prompt, max_tokens=4, **extra):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}
+    return post(url, "/v1/completions", {**body, **({"model": model} if model else {})})
+
+
+def token_ids(r) -> list[int]:
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_non_finite_logits_without_logprobs_end_that_request_alone(overflowing):
+    """The overflowing adapter's request asks for no logprobs: it still ends with a 500 of its
+    own, not tokens sampled from NaN; base requests in the same steps answer as they do alone."""
+    st, srv = overflowing
+    prompts = [text(11), text(12)]
+    *base, bad = concurrently(*[lambda p=p: completion(st.url, None, p) for p in prompts],
+                              lambda: completion(st.url, "huge", text(13)))
+    assert_error(bad, 500, "not finite", None)
+    assert bad.json()["error"]["code"] == "non_finite_output"
+    ref = reference(srv, prompts, [None, None], max_tokens=4)
+    assert [token_ids(r) for r in base] == [o.token_ids for o in ref]
     s = wait_idle(st.url, headers=H)
     assert s["kv_pages"] == 0 and srv.engine.in_flight == 0
-    httpx.post(st.url + "/v1/unload_lora_adapter", headers=H, json={"lora_name": "spare"})
+
+
+@pytest.fixture
+def step_fault(env, monkeypatch):
+    """The engine's input builder raises for every decode row of a request whose prompt starts
+    with the returned token ids (its prefill goes through)."""
+    srv = env[1]
+    mark = [srv.llm.cfg.vocab_size - 3] * 3
+    builder = srv.llm.engine.builder
+    build = builder.build
+
+    def faulty(plan):
+        if any(req.tokens[:3] == mark and start >= req.prompt_len for req, start, _ in plan.chunks):
+            raise ValueError("injected fault")
+        return build(plan)
+    monkeypatch.setattr(builder, "build", faulty)
+    return mark
+
+
+def assert_step_failed(r):
+    """A request whose step failed: a 500 of its own, or (a stream that had sent tokens) an error
+    event and [DONE]."""
+    raw = r.content
+    if r.status_code == 500:
+        err = assert_error(r, 500, "injected fault", None)
+        assert err["code"] == "step_failed"
+        return
+    assert r.status_code == 200, raw[:300]
+    events = [ln[len(b"data: "):] for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "step_failed" and "injected fault" in err["message"], err
+
+
+def test_failing_step_fails_that_request_alone(env, step_fault):
+    """A step that raises whenever one request's row is in it: that request gets a 500 (or, as a
+    stream, an error event) of its own; the requests batched with it answer as they do alone."""
+    st, srv = env[:2]
+    models = [None, SERVED[0], SERVED[1]]
+    prompts = [text(21), text(22), text(23)]
+    bad = step_fault + [7, 8, 9]
+    *good, bad1, bad2 = concurrently(
+        *[lambda m=m, p=p: completion(st.url, m, p) for m, p in zip(models, prompts)],
+        lambda: completion(st.url, None, bad),
+        lambda: completion(st.url, SERVED[0], bad, stream=True))
+    assert_step_failed(bad1)
+    assert_step_failed(bad2)
+    ref = reference(srv, prompts, models, max_tokens=4)
+    assert [token_ids(r) for r in good] == [o.token_ids for o in ref]
+    assert_serves(st.url)
+
+
+def test_unreadable_adapter_fails_its_requests_alone(env):
+    """A registered adapter's file disappears while its rows are in neither the host cache nor the
+    pool: its requests get a 500 naming it (and no server path), the others answer."""
+    st, srv, allowed = env[:3]
+    shutil.copytree(allowed / "good", allowed / "vanishing")
+    r = post(st.url, "/v1/load_lora_adapter", {"lora_name": "vanishing", "lora_path": str(allowed / "vanishing")})
+    assert r.status_code == 200, r.text
+    store = srv.llm.store
+    size, nbytes = store.host_cache_size, store.host_cache_bytes
+    srv.engine.call_sync(lambda: store.resize_host_cache(0))  # every page-in reads the disk
+    try:
+        (allowed / "vanishing" / "adapter_model.safetensors").unlink()
+        models = [None, SERVED[0], SERVED[1]]
+        prompts = [text(31), text(32), text(33)]
+        *good, gone1, gone2 = concurrently(
+            *[lambda m=m, p=p: completion(st.url, m, p) for m, p in zip(models, prompts)],
+            lambda: completion(st.url, "vanishing", text(34)),
+            lambda: completion(st.url, "vanishing", text(35), stream=True))
+        ref = reference(srv, prompts, models, max_tokens=4)
+    finally:
+        srv.engine.call_sync(lambda: store.resize_host_cache(size, nbytes))
+    for g in (gone1, gone2):
+        err = assert_error(g, 500, "adapter 'vanishing' could not be read", None)
+        assert err["code"] == "adapter_unavailable"
+        assert str(allowed) not in g.text and str(Path.home()) not in g.text, g.text
+    assert [token_ids(r) for r in good] == [o.token_ids for o in ref]
+    assert post(st.url, "/v1/unload_lora_adapter", {"lora_name": "vanishing"}).status_code == 200
+    shutil.rmtree(allowed / "vanishing")
+    assert_serves(st.url)

@@ -6,12 +6,19 @@ jitted step (step.py), and, while the device runs it, copies in the adapters the
 predicts the next batch needs (S-LoRA's prefetch). Then it waits for the one results array and
 hands it back for bookkeeping. With async scheduling the wait for step n comes after step n+1 is
 dispatched: the host's work overlaps the device's.
+
+One request never takes the others down. A step that raises while its inputs are built or it is
+dispatched is run again in halves until the rows that fail it are alone; those requests end with
+finish_reason "error" and the others go on as if nothing happened (`_isolate`). An adapter whose
+rows cannot be read fails only the requests that took it, and a row whose sampled logprob is not
+finite (an adapter whose activations overflow) ends its own request with an error.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -36,6 +43,8 @@ from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
 
 __all__ = ["Engine", "Request", "LoraChoices"]
+
+log = logging.getLogger(__name__)
 
 PHASES = ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device_wait", "complete")
 CPU_POOL_BYTES = 2**30  # a device that reports no memory limit (the CPU) gets this much pool
@@ -94,6 +103,13 @@ def pool_bytes(stats: dict, utilization: float, working_bytes: int) -> int:
 
 def _memory_stats() -> dict:
     return jax.devices()[0].memory_stats() or {}
+
+
+def _mark_error(out: RequestOutput, code: str) -> RequestOutput:
+    """A request the engine could not serve: finish_reason "error", `code` saying why (an OpenAI
+    error code; abort_reason holds the message)."""
+    out.finish_reason, out.error_code = "error", code
+    return out
 
 
 @dataclasses.dataclass
@@ -272,7 +288,8 @@ class Engine:
     def _admit(self, req: Request) -> bool:
         """Take the request's adapter (`req.adapter` as given), loading it if not resident."""
         ok = self.sched.take_adapter(req)
-        self._write_adapters(self.sched.pop_loads())
+        if failed := self._write_adapters(self.sched.pop_loads()):
+            raise RuntimeError(failed[0].abort_reason)
         return ok
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
@@ -281,42 +298,54 @@ class Engine:
     def _release(self, req: Request) -> None:
         self.sched.release(req)
 
-    def _write_adapters(self, loads: list[tuple[AdapterEntry, list[int]]], *, speculative: bool = False) -> None:
+    def _write_adapters(self, loads: list[tuple[AdapterEntry, list[int]]]) -> list[RequestOutput]:
         """Scatter adapters' packed rows into their pages. The host->device copy is dispatched
         asynchronously; the scatter consumes the pool the in-flight step returns (donated), so it
-        runs after that step and never under it. An adapter whose rows cannot be read (its
-        directory is gone and the host cache dropped it) gets its pages freed and its requests
-        aborted; the first such error is raised afterwards, unless the loads were a prefetch."""
+        runs after that step and never under it. An adapter whose rows cannot be read (its files
+        gone or corrupt since registration, a disk error) gets its pages freed and the requests
+        that took it end with an error; the others are untouched. Returns those requests."""
         failed = []
         for entry, pages in loads:
             t = time.perf_counter()
             try:
                 data = self.store.rows(entry)
+                self.kv = paged.load_rows(self.kv, page_rows(pages, entry.layout.rows, self.ps), data)
             except Exception as e:  # noqa: BLE001 - any failure to read leaves the pages unfilled
+                log.warning("adapter %r could not be paged in: %s", entry.name, e)
                 failed.append((entry, e))
                 continue
-            self.kv = paged.load_rows(self.kv, page_rows(pages, entry.layout.rows, self.ps), data)
             self.metrics.adapter_load_seconds.observe(time.perf_counter() - t)
             self.metrics.adapter_loads.inc()
+        outs = []
         for entry, e in failed:
-            self.sched.load_failed(entry, f"adapter {entry.name!r} could not be paged in: {e}")
-        if failed and not speculative:
-            raise failed[0][1]
+            for out in self.sched.load_failed(entry, f"adapter {entry.name!r} could not be read: {e}"):
+                outs.append(_mark_error(out, "adapter_unavailable"))
+        return outs
+
+    def _fail(self, req: Request, why: str, code: str) -> RequestOutput:
+        """End one request with finish_reason "error" (its pages freed at once)."""
+        self.sched.abort(req.rid, why)
+        return _mark_error(req.out, code)
 
     # -- the step loop -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then complete the dispatched steps beyond the
         overlap depth (with nothing new to dispatch, all of them). Returns the requests that
-        finished in the steps completed here (aborted ones included). Async scheduling (depth 1):
-        a request that stops on a stop token may sit in one more step, whose token is dropped."""
+        finished in the steps completed here (aborted and failed ones included). Async
+        scheduling (depth 1): a request that stops on a stop token may sit in one more step,
+        whose token is dropped."""
         with self.timer.phase("schedule"):
             plan = self.sched.schedule()
-        with self.timer.phase("adapter_loads"):
-            self._write_adapters(plan.loads)
-        if plan.chunks:
-            self._in_flight.append(self._launch(plan))
         finished = list(plan.finished)
+        with self.timer.phase("adapter_loads"):
+            finished += self._write_adapters(plan.loads)
+        plan.chunks = [c for c in plan.chunks if not c[0].out.finished]  # not those whose adapter failed
+        if plan.chunks:
+            try:
+                self._in_flight.append(self._launch(plan))
+            except Exception as e:  # noqa: BLE001 - find the rows that fail it, run the rest
+                finished += self._isolate(plan, e)
         depth = self.depth if plan.chunks else 0
         while len(self._in_flight) > depth:
             finished += self._complete(self._in_flight.popleft())
@@ -324,9 +353,38 @@ class Engine:
             self.sched.refresh_gauges()
         return finished
 
+    def _isolate(self, plan: Plan, error: Exception) -> list[RequestOutput]:
+        """`plan` raised before its step ran (building its inputs or dispatching it): run it again
+        in halves, each completed before the next, down to single rows; a row that fails alone
+        ends its request with an error. The steps in flight are completed first, so every
+        sub-step reads its tokens from the host."""
+        log.warning("a step of %d rows failed (%s: %s); finding the rows that fail it",
+                    len(plan.chunks), type(error).__name__, error)
+        finished = self._drain()
+        todo = [plan.chunks]
+        while todo:
+            chunks = [c for c in todo.pop() if not c[0].out.finished]  # finished by the drain, or below
+            if not chunks:
+                continue
+            try:
+                step = self._launch(Plan(plan.kind, chunks, [], []))
+            except Exception as e:  # noqa: BLE001 - split further, or fail the one row
+                if len(chunks) == 1:
+                    req = chunks[0][0]
+                    log.warning("request %s fails its step alone; it ends with an error", req.rid)
+                    finished.append(self._fail(req, f"the engine step failed for this request: "
+                                                    f"{type(e).__name__}: {e}", "step_failed"))
+                else:
+                    half = len(chunks) // 2
+                    todo += [chunks[half:], chunks[:half]]  # the first half runs first
+                continue
+            finished += self._complete(step)
+        return finished
+
     def _launch(self, plan: Plan) -> _InFlight:
         """Build the plan's inputs and dispatch its step; while the device runs it, prefetch the
-        adapters the next batch is predicted to need, and apply what the step surely does."""
+        adapters the next batch is predicted to need, and apply what the step surely does. A
+        prefetch that cannot read an adapter fails nobody (the admission that needs it does)."""
         with self.timer.phase("inputs"):
             inp, _ = self.builder.build(plan)
             shape = warmup_mod.shape_key(inp)
@@ -336,7 +394,7 @@ class Engine:
         with self.timer.phase("dispatch"):
             results = self._dispatch(inp)
         with self.timer.phase("prefetch"):
-            self._write_adapters(self.sched.prefetch(plan), speculative=True)
+            self._write_adapters(self.sched.prefetch(plan))
             self.sched.advance(plan)
         if self.depth:
             self.builder.feed_from(results, plan.pending)
@@ -350,12 +408,29 @@ class Engine:
         its compile, and a slow prefetch (disk) can outlast the step: neither is timed."""
         with self.timer.phase("device_wait"):
             results = np.asarray(step.results)
+        failed = self._non_finite(step.plan, results)
         done = time.perf_counter()
         seconds = done - max(step.dispatched, self._last_done)
         self._last_done = done
         timed = not step.first_run and step.prefetch_s < 0.5 * seconds
         with self.timer.phase("complete"):
-            return self.sched.complete_overlapped(step.plan, results, seconds if timed else None)
+            return failed + self.sched.complete_overlapped(step.plan, results, seconds if timed else None)
+
+    def _non_finite(self, plan: Plan, results: np.ndarray) -> list[RequestOutput]:
+        """End each request whose token sampled in this step has a non-finite logprob (its
+        logits hold NaN or infinity: an adapter whose activations overflow); nothing of that
+        row reaches its output."""
+        bad = np.flatnonzero(~np.isfinite(results[:len(plan.chunks), 1]))
+        if not bad.size:
+            return []
+        sampled = {i for i, _, _ in plan.pending}
+        out = []
+        for i in bad.tolist():
+            req = plan.chunks[i][0]
+            if i in sampled and not req.out.finished:
+                out.append(self._fail(req, f"the model's output is not finite after {req.generated - 1} "
+                                           "tokens; the adapter's weights may overflow", "non_finite_output"))
+        return out
 
     def _drain(self) -> list[RequestOutput]:
         finished = []
@@ -429,7 +504,8 @@ class Engine:
         self.sched.max_prefill_seqs = n
         try:
             plan = self.sched.schedule()
-            self._write_adapters(plan.loads)
+            if failed := self._write_adapters(plan.loads):
+                raise RuntimeError(failed[0].abort_reason)
             if plan.kind != "prefill" or len(plan.chunks) != n:
                 raise ValueError("prompts do not fit in the pool together")
             group_by_adapter(plan.chunks)

@@ -33,6 +33,10 @@ def lora_xla_shrink(x, pool_layer, a_rows, ranks, token_slot, max_rank: int, fin
 
 
 def lora_xla_expand(xa, pool_layer, b_rows, max_rank: int, fout: int):
-    """The delta [T, fout] float32 of lora_xla_shrink's xa (in the activations' dtype)."""
+    """The delta [T, fout] float32 of lora_xla_shrink's xa (in the activations' dtype). A slot's
+    rows past its rank are not its own (a reused page can hold anything there, NaN included) and
+    meet an xa of zero: non-finite values become zero, since 0 * NaN would reach every token.
+    Within its rank an adapter's B is finite (checked when it is registered)."""
     b = _slot_matrices(pool_layer, b_rows, max_rank, fout)
+    b = jnp.where(jnp.isfinite(b), b, jnp.zeros((), b.dtype))
     return jnp.einsum("tsr,sro->to", xa, b, preferred_element_type=jnp.float32)

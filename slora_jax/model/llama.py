@@ -142,14 +142,23 @@ def lm_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention of q [B, T, nh, d] over k, v [B, S, kvh, d] with mask [B, T, S].
-    Keys no query may see are left out by `where`, never by a zero weight: a reused pool page can
-    hold anything there, NaN included, and 0 * NaN would reach the output."""
+    Keys a query may not see are left out by `where`, never by a zero weight: a reused pool page
+    can hold anything there, and another sequence packed into the same block can hold NaN (an
+    adapter whose activations overflow); 0 * NaN would reach the output. So non-finite values of
+    v are zeroed for the product, and a query that does attend to one (weight > 0) gets NaN."""
     b, t, nh, d = q.shape
     kvh = k.shape[2]
-    v = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+    finite = jnp.isfinite(v)
+    bad_key = ~jnp.all(finite, axis=-1)  # [B, S, kvh]
+    v = jnp.where(finite, v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, kvh, nh // kvh, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
     s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    def poison(o):  # only where some value of v is not finite: a pass over p, off the common path
+        sees = jnp.any((p > 0) & jnp.transpose(bad_key, (0, 2, 1))[:, :, None, None, :], axis=-1)  # [B, kvh, g, T]
+        return jnp.where(jnp.transpose(sees, (0, 3, 1, 2))[..., None], jnp.nan, o)
+    o = jax.lax.cond(jnp.any(bad_key), poison, lambda o: o, o)
     return o.reshape(b, t, nh, d).astype(q.dtype)

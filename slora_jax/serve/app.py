@@ -25,9 +25,10 @@ or their name.
 
 Errors come in OpenAI's shape (protocol.py): 400 invalid input, 401 API key, 404 unknown model or
 route, 429 too many requests in flight (Retry-After), 503 a request the engine aborted (no room,
-shutdown) or a dead engine (Retry-After), 500 an engine failure or an output that is not finite
-(code non_finite_output: that request alone ends; a stream ends with an error event and [DONE],
-finish_reason "error"), 408 a body that does not arrive
+shutdown) or a dead engine (Retry-After), 500 an engine failure or a request the engine could not
+serve (code non_finite_output: its output is not finite; adapter_unavailable: its adapter's files
+cannot be read; step_failed: a step fails whenever its row is in it; that request alone ends; a
+stream ends with an error event and [DONE], finish_reason "error"), 408 a body that does not arrive
 within --request-timeout. Limits (protocol.py), checked before any tokenizing: the body's size and
 nesting (MAX_BODY_BYTES, MAX_JSON_DEPTH), prompts and messages a request (MAX_BATCH_PROMPTS,
 MAX_MESSAGES), the characters of a prompt or chat (CHARS_PER_TOKEN_LIMIT per token of context),
@@ -192,7 +193,7 @@ class Server:
                 raise APIError(503, f"the request was aborted: {c.abort_reason or 'no room'}; retry later",
                                None, "aborted", retry_after=1)
             if c.finish_reason == "error":
-                raise APIError(500, c.error, None, "non_finite_output")
+                raise APIError(500, c.error, None, c.error_code)
 
     def completion_logprobs(self, c: Choice, ids: list[int], lps: list[float], offset: int) -> dict | None:
         offsets, at = [], offset
@@ -434,7 +435,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                     yield sse_event(err.body())
                 failed = [c for c in choices if c.finish_reason == "error"]
                 if failed:
-                    yield sse_event(APIError(500, failed[0].error, None, "non_finite_output").body())
+                    yield sse_event(APIError(500, failed[0].error, None, failed[0].error_code).body())
                 if extras["include_usage"]:
                     yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": model, "choices": [], "usage": usage(choices)})

@@ -76,6 +76,7 @@ class Delta:
     logprobs: list[float] | None
     finish_reason: str | None = None
     abort_reason: str | None = None
+    error_code: str | None = None   # finish_reason "error": why the engine could not serve it
 
 
 class EngineError(RuntimeError):
@@ -371,7 +372,8 @@ class AsyncEngine:
                 if m:
                     m.ttft.observe(now - h.submitted)
             lps = out.logprobs[h.sent:n] if out.logprobs is not None else None
-            batch.append((h, Delta(out.token_ids[h.sent:n], lps, out.finish_reason, out.abort_reason)))
+            batch.append((h, Delta(out.token_ids[h.sent:n], lps, out.finish_reason, out.abort_reason,
+                                   out.error_code)))
             if m and n > h.sent:
                 m.generation_tokens.labels(m.label(h.adapter)).inc(n - h.sent)
             h.sent = n

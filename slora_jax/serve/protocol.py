@@ -435,6 +435,7 @@ class Choice:
         self.finish_reason: str | None = None   # "error": the model's output was not finite
         self.abort_reason: str | None = None
         self.error = ""
+        self.error_code = "non_finite_output"
         self._hold = max((len(s) for s in stop), default=1) - 1  # text held back: a stop string may start there
 
     def feed(self, d: Delta) -> tuple[str, list[int], list[float]]:
@@ -453,6 +454,8 @@ class Choice:
         finished = d.finish_reason is not None
         if finished:
             self.finish_reason, self.abort_reason = d.finish_reason, d.abort_reason
+        if d.finish_reason == "error":  # the engine could not serve this request alone
+            self.error, self.error_code = hide_paths(d.abort_reason or "the request failed"), d.error_code
         if self.tok is not None:
             # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown.
             shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
