@@ -415,7 +415,7 @@ class Engine:
         self.sched.drop_pins()
         n = len(prompts)
         self.sched.config = self.config.replace(max_num_batched_tokens=sum(map(len, prompts)), max_num_seqs=n,
-                                                max_loras=n)
+                                                max_loras=n, enable_prefix_caching=False)  # every position
         self.sched.max_prefill_seqs = n
         try:
             plan = self.sched.schedule()
@@ -446,6 +446,8 @@ class Engine:
             "kv_pages": self.pool.kv_pages, "adapter_pages": self.pool.adapter_pages,
             "resident_adapters": len(self.pool.adapters), "running": len(self.running),
             "waiting": len(self.waiting), "page_size": self.ps, "evictions": self.pool.evictions,
+            "prefix_cache": {"queries": self.metrics.prefix_cache_queries.value,
+                             "hits": self.metrics.prefix_cache_hits.value, "cached_pages": self.pool.cached_pages},
             "preempted": self.num_preempted, "steps": self.step_count,
             "adapter_disk_loads": self.store.disk_loads, "host_seconds": dict(self.timer.seconds),
             "host_by_transition": {k: list(v) for k, v in self.host_by_transition.items()},

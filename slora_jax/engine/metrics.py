@@ -99,6 +99,10 @@ class EngineMetrics:
         self.free_pages = Gauge("free pool pages")
         self.adapter_page_share = Gauge("adapter pages / (adapter + KV pages)")
         self.evictions = Gauge("idle adapters evicted from the pool (cumulative)")
+        self.prefix_cache_queries = Counter("prompt tokens looked up in the prefix cache at admission")
+        self.prefix_cache_hits = Counter("prompt tokens served from the prefix cache")
+        self.prefix_cached_pages_base = Gauge("pages in the prefix cache holding base-model KV (in use or idle)")
+        self.prefix_cached_pages_lora = Gauge("pages in the prefix cache holding an adapter's KV (in use or idle)")
         # adapter loads and prefetch
         self.adapter_load_seconds = Histogram("host time to stage and dispatch one adapter's rows")
         self.adapter_loads = Counter("adapter versions written into the pool (any path)")

@@ -29,6 +29,13 @@ Policies (fields of `EngineConfig`):
   from pages the next decode step does not need) until a request uses them or a schedule drops them.
 - Adapter versions. A request binds to the version registered under its name when admitted, so
   a re-registered adapter's stale pages serve no later request; they are freed after their users.
+- Prefix caching (`enable_prefix_caching`). Admission looks the request's full pages up in the
+  pool's prefix cache (keyed by their tokens chained from the first and the adapter version) and
+  starts its page table with the hits, read-only, so its prefill starts after them; the budget
+  counts only the pages it still takes (a hit on an idle cached page takes that page off the
+  evictable ones). The last prompt token is always computed (its logits sample the first token),
+  so a sequence never writes a shared page. A sequence's full pages join the cache as their K/V
+  is dispatched, and stay there, idle, after it finishes or is preempted.
 - Chunked prefill. A prompt longer than a step's token budget (`max_num_batched_tokens`) is
   prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that fits a step
   of its own is not split to fill what is left of a step's budget: it starts the next step whole.
@@ -49,6 +56,7 @@ from typing import Callable
 from slora_jax.config import EngineConfig
 from slora_jax.engine.metrics import EngineMetrics, StepCostModel
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
+from slora_jax.engine.prefix_cache import PageKey, extend_keys
 from slora_jax.request import Plan, Request, RequestOutput
 
 __all__ = ["Scheduler", "Request", "Plan", "StepCostModel", "PENDING", "MAX_PREFILL_SEQS"]
@@ -151,6 +159,7 @@ class Scheduler:
             if req.out.finished:
                 continue
             req.num_computed = end
+            self._cache_pages(req)
             if end == len(req.tokens):
                 plan.pending.append((i, req, len(req.tokens)))
                 req.tokens.append(PENDING)
@@ -189,6 +198,7 @@ class Scheduler:
             if req.out.finished:  # aborted during the step
                 continue
             req.num_computed = end
+            self._cache_pages(req)
             if end == len(req.tokens):
                 self._first_token(req, now)
                 self._append(req, int(results[i][0]), float(results[i][1]))
@@ -232,6 +242,9 @@ class Scheduler:
         m.free_pages.set(pool.free_pages)
         m.adapter_page_share.set(ad / (ad + kv) if ad + kv else 0.0)
         m.evictions.set(pool.evictions)
+        base = len(pool.prefix.by_adapter.get(None, ()))
+        m.prefix_cached_pages_base.set(base)
+        m.prefix_cached_pages_lora.set(len(pool.prefix) - base)
 
     def _early_abort(self) -> list[RequestOutput]:
         """Abort the queued requests whose first token, were they admitted now, would come past
@@ -291,13 +304,45 @@ class Scheduler:
     def _urgent(self, req: Request, now: float) -> bool:
         return req.resumed or now - req.arrival >= self.config.max_wait_s
 
-    def _need(self, entry, end: int, claimed: set) -> tuple[int, int]:
-        """(KV pages, adapter pages) that admitting a request with this adapter and first chunk
-        takes from the pool's budget."""
+    def _need(self, entry, end: int, hits: list[int], claimed: set) -> tuple[int, int]:
+        """(KV pages, adapter pages) that admitting a request with this adapter, these cached
+        pages and first chunk takes from the pool's budget: a hit on a page another request holds
+        costs nothing, one on an idle cached page costs that page (it is no longer evictable)."""
+        shared = self.pool.page_refs
+        kv = self.kv_pages_for(end) - sum(1 for p in hits if p in shared)
         if entry is not None and entry.key not in claimed and \
                 (not self.pool.is_resident(entry.key) or self.pool.is_idle(entry.key)):
-            return self.kv_pages_for(end), entry.layout.pages  # taken, or no longer evictable
-        return self.kv_pages_for(end), 0
+            return kv, entry.layout.pages  # taken, or no longer evictable
+        return kv, 0
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _page_keys(self, req: Request, adapter) -> list[PageKey]:
+        """The chained keys of the request's full pages of known tokens under adapter version
+        `adapter` (None: the base model), kept on the request and extended as it grows."""
+        if req.page_keys_for != adapter:
+            req.page_keys, req.page_keys_for = [], adapter
+        return extend_keys(req.page_keys, req.tokens, adapter, self.ps, len(req.tokens) // self.ps, PENDING)
+
+    def _hits(self, req: Request, entry) -> list[int]:
+        """The cached pages a request admitted now would start with: its longest cached run of
+        full pages, short of the page of its last token (computed to sample the next one)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        keys = self._page_keys(req, entry.key if entry is not None else None)
+        return self.pool.match_prefix(keys[:(len(req.tokens) - 1) // self.ps])
+
+    def _cache_pages(self, req: Request) -> None:
+        """Offer the request's full pages whose K/V is dispatched to the prefix cache (a page
+        with a token still on the device waits for a later call)."""
+        full = req.num_computed // self.ps
+        if full <= req.pages_cached or not self.config.enable_prefix_caching:
+            return
+        keys = self._page_keys(req, req.adapter.key if req.adapter is not None else None)
+        n = min(full, len(keys))
+        for i in range(req.pages_cached, n):
+            self.pool.cache_page(req.rid, i, keys[i])
+        req.pages_cached = max(req.pages_cached, n)
 
     def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
                     leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
@@ -331,14 +376,16 @@ class Scheduler:
                 if urgent:
                     break  # the batch drains until this request's adapter fits
                 continue
-            end = min(len(req.tokens), budget)
-            if end < len(req.tokens) and (out or nseqs) and len(req.tokens) <= o.max_num_batched_tokens:
+            hits = self._hits(req, entry)
+            start = len(hits) * self.ps
+            end = min(len(req.tokens), start + budget)
+            if end < len(req.tokens) and (out or nseqs) and len(req.tokens) - start <= o.max_num_batched_tokens:
                 break  # a prompt that fits a step of its own starts the next one, whole
-            kv, ad = self._need(entry, end, claimed)
+            kv, ad = self._need(entry, end, hits, claimed)
             fits = avail.fits(kv, ad)
             if not fits and not dry and (fcfs or urgent) and self.drop_pins():
                 avail = pool.budget()
-                kv, ad = self._need(entry, end, claimed)
+                kv, ad = self._need(entry, end, hits, claimed)
                 fits = avail.fits(kv, ad)
             if not fits:
                 if fcfs or urgent:
@@ -349,15 +396,19 @@ class Scheduler:
                 claimed.add(key)
             else:
                 req.adapter = entry
-                if not self.take_adapter(req):
-                    break
-                if not self.grow(req, end):
+                pool.share_kv(req.rid, hits)  # first: the loads below may evict idle cached pages
+                req.num_computed, req.pages_cached = start, len(hits)
+                if not self.take_adapter(req) or not self.grow(req, end):
                     self.release(req)
+                    req.num_computed = 0
                     break
+                if o.enable_prefix_caching:
+                    self.metrics.prefix_cache_queries.inc(len(req.tokens))
+                    self.metrics.prefix_cache_hits.inc(start)
                 avail = pool.budget()
             if key is not None:
                 batch.add(key)
-            budget -= end
+            budget -= end - start
             nseqs += 1
             running += 1
             out.append((req, entry, end))
@@ -386,7 +437,8 @@ class Scheduler:
                 chunks.append((req, req.num_computed, end))
                 budget -= end - req.num_computed
         if not stuck and self.waiting:
-            chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
+            chunks += [(req, req.num_computed, end)  # num_computed: the tokens served from the cache
+                       for req, _, end in self._admissions(budget, len(chunks), False, finished)]
         return chunks
 
     def _schedule_decode(self) -> list[Request]:
@@ -480,7 +532,9 @@ class Scheduler:
             return False
 
     def release(self, req: Request) -> None:
+        self._cache_pages(req)
         self.pool.free_kv(req.rid)
+        req.pages_cached = 0
         if req.holds_adapter:
             self.pool.release_adapter(req.adapter.key)
             req.holds_adapter = False
