@@ -169,11 +169,13 @@ def test_replaced_adapter_never_serves_stale_pages(paths):
     assert_drained(llm)
 
 
-def test_eviction_and_preemption_under_pool_pressure(paths):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain_steps", "async_scheduling"])
+def test_eviction_and_preemption_under_pool_pressure(paths, overlap):
     """A pool too small for every sequence at once: cached pages are evicted for adapters and new
     KV, and running sequences that share pages are preempted and recomputed. Outputs equal the
-    uncached run's, and the pool's invariants hold after every step."""
-    llm = make_llm(paths, pool_pages=68, max_num_seqs=6)
+    uncached run's, and the pool's invariants hold after every step. With async scheduling pages
+    join the cache at dispatch, and a page with a token still on the device joins later."""
+    llm = make_llm(paths, pool_pages=68, max_num_seqs=6, async_scheduling=overlap)
     names = ["a", "b", None, "a", "b", None, "a", "a"]
     prompts = [SYSTEM + toks(n) for n in (2, 5, 3, 1, 6, 4, 2, 7)]
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
