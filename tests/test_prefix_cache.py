@@ -393,3 +393,35 @@ def test_cost_aware_eviction_weighs_reload_against_recompute():
     assert 5 <= rounds <= 11  # the floor climbs 0.1 a round to the adapter's 1.0
     with pytest.raises(ValueError, match="eviction_policy"):
         UnifiedPool(4, eviction_policy="mru")
+
+
+# ------------------------------------------------------------------------------------------------
+# the multi-tenant trace (bench/trace.py)
+
+
+def test_multi_tenant_trace_repeats_prefixes_as_configured():
+    from bench.trace import generate, load_workload, system_prompt_lengths
+    w = load_workload("multitenant", duration_s=600.0)
+    trace = generate(w)
+    assert generate(w).requests == trace.requests  # deterministic
+    s = trace.stats()
+    assert abs(s["continued"] / len(trace) - w.continue_share) < 0.05
+    assert abs(s["top10_share"] - w.zipf_top_share) < 0.05
+    prompts = trace.prompts(1000)
+    systems = system_prompt_lengths(w)
+    lo, hi = w.system_prompt_range
+    assert lo <= systems.min() and systems.max() < hi
+    first: dict[int, list[int]] = {}
+    for i, (r, p) in enumerate(zip(trace, prompts)):
+        assert len(p) == r.prompt_len and r.prompt_len + r.output_len <= w.max_context
+        assert w.output_range[0] <= r.output_len < w.output_range[1]
+        if r.parent < 0:
+            turn = r.prompt_len - systems[r.adapter_id]
+            head = p[:systems[r.adapter_id]]
+            assert first.setdefault(r.adapter_id, head) == head  # one system prompt per adapter
+        else:
+            q = trace.requests[r.parent]
+            assert r.parent < i and q.adapter_id == r.adapter_id
+            assert p[:q.prompt_len] == prompts[r.parent]  # the conversation so far, then its answer
+            turn = r.prompt_len - q.prompt_len - q.output_len
+        assert w.input_range[0] <= turn < w.input_range[1]
