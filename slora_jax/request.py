@@ -21,6 +21,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     abort_reason: str | None = None
     adapter: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
 
     @property
     def finished(self) -> bool:

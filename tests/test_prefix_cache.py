@@ -225,6 +225,24 @@ def test_stats_and_config(llm, paths):
         LLM("tiny", dtype="float32", enable_prefix_caching="yes")
 
 
+def test_openai_usage_reports_cached_prompt_tokens(paths):
+    """`usage.prompt_tokens_details.cached_tokens`: 0 on a cold prompt, its cached full pages on
+    a repeat."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from slora_jax.serve.app import build_app
+    from slora_jax.serve.cli import ServerThread
+    server = ServerThread(build_app(make_llm(paths), "tiny")).start()
+    try:
+        prompt = toks(11)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+        cached = [httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+                  ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    finally:
+        server.stop()
+    assert cached == [0, (len(prompt) - 1) // PS * PS]
+
+
 # ------------------------------------------------------------------------------------------------
 # the host allocator alone
 

@@ -404,6 +404,8 @@ class Scheduler:
                     self.release(req)
                     req.num_computed = 0
                     break
+                if req.out.num_cached_tokens is None:  # a preempted request keeps its first count
+                    req.out.num_cached_tokens = start
                 if o.enable_prefix_caching:
                     self.metrics.prefix_cache_queries.inc(len(req.tokens))
                     self.metrics.prefix_cache_hits.inc(start)
