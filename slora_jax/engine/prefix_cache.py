@@ -8,7 +8,8 @@ pages are indexed; a sequence's last, partial page stays its own.
 
 The index stores each page's parent key, adapter key and tokens, and `match` compares them, so a
 hash collision costs a miss, never a wrong page. Which pages are in use, idle or free is the
-pool's business (pool.py); this module only maps keys to pages. Host only: no JAX.
+pool's business (pool.py); this module maps keys to pages, and gives the scheduler a request's
+cached prefix (`cached_prefix`) and takes its new full pages (`offer_pages`). Host only: no JAX.
 """
 
 from __future__ import annotations
@@ -44,6 +45,36 @@ def extend_keys(keys: list[PageKey], tokens: Sequence[int], adapter: Hashable, p
             break
         keys.append(page_key(keys[-1].key if keys else ROOT, adapter, page))
     return keys
+
+
+def request_keys(req, adapter: Hashable, page_size: int, unknown: int) -> list[PageKey]:
+    """The chained keys of a request's full pages of known tokens under adapter version
+    `adapter`, kept on the request (`page_keys`) and extended as it grows."""
+    if req.page_keys_for != adapter:
+        req.page_keys, req.page_keys_for = [], adapter
+    return extend_keys(req.page_keys, req.tokens, adapter, page_size, len(req.tokens) // page_size, unknown)
+
+
+def cached_prefix(pool, req, adapter: Hashable, page_size: int, unknown: int) -> list[int]:
+    """The cached pages a request admitted now would start with: its longest cached run of full
+    pages, short of the page of its last token (computed, to sample the next one: so no
+    sequence ever writes a shared page)."""
+    keys = request_keys(req, adapter, page_size, unknown)
+    return pool.match_prefix(keys[:(len(req.tokens) - 1) // page_size])
+
+
+def offer_pages(pool, req, adapter: Hashable, page_size: int, unknown: int) -> None:
+    """Offer a request's full pages whose K/V is dispatched (`num_computed`) to the cache, from
+    the first not offered yet (`pages_cached`); a page holding a token the host does not know yet
+    waits for a later call."""
+    full = req.num_computed // page_size
+    if full <= req.pages_cached:
+        return
+    keys = request_keys(req, adapter, page_size, unknown)
+    n = min(full, len(keys))
+    for i in range(req.pages_cached, n):
+        pool.cache_page(req.rid, i, keys[i])
+    req.pages_cached = max(req.pages_cached, n)
 
 
 class PrefixIndex:

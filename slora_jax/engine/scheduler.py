@@ -29,13 +29,9 @@ Policies (fields of `EngineConfig`):
   from pages the next decode step does not need) until a request uses them or a schedule drops them.
 - Adapter versions. A request binds to the version registered under its name when admitted, so
   a re-registered adapter's stale pages serve no later request; they are freed after their users.
-- Prefix caching (`enable_prefix_caching`). Admission looks the request's full pages up in the
-  pool's prefix cache (keyed by their tokens chained from the first and the adapter version) and
-  starts its page table with the hits, read-only, so its prefill starts after them; the budget
-  counts only the pages it still takes (a hit on an idle cached page takes that page off the
-  evictable ones). The last prompt token is always computed (its logits sample the first token),
-  so a sequence never writes a shared page. A sequence's full pages join the cache as their K/V
-  is dispatched, and stay there, idle, after it finishes or is preempted.
+- Prefix caching (`enable_prefix_caching`, prefix_cache.py). Admission starts a request's page
+  table with its cached pages and its prefill after them; the budget counts only the pages it
+  still takes. Its full pages join the cache as their K/V is dispatched.
 - Chunked prefill. A prompt longer than a step's token budget (`max_num_batched_tokens`) is
   prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that fits a step
   of its own is not split to fill what is left of a step's budget: it starts the next step whole.
@@ -47,7 +43,6 @@ Policies (fields of `EngineConfig`):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import time
@@ -56,7 +51,8 @@ from typing import Callable
 from slora_jax.config import EngineConfig
 from slora_jax.engine.metrics import EngineMetrics, StepCostModel
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
-from slora_jax.engine.prefix_cache import PageKey, extend_keys
+from slora_jax.engine.prefetch import AdapterPrefetch
+from slora_jax.engine.prefix_cache import cached_prefix, offer_pages
 from slora_jax.request import Plan, Request, RequestOutput
 
 __all__ = ["Scheduler", "Request", "Plan", "StepCostModel", "PENDING", "MAX_PREFILL_SEQS"]
@@ -66,13 +62,7 @@ PENDING = -1  # overlapped steps: a token sampled by a step whose results are st
 LOOKAHEAD = 512  # waiting requests an admission walk considers, in service order
 
 
-@dataclasses.dataclass
-class _Prefetched:
-    entry: object
-    step: int
-
-
-class Scheduler:
+class Scheduler(AdapterPrefetch):
     """config: the EngineConfig (its scheduling fields). mixed_steps: decode tokens ride along in
     prefill steps (see the module docstring)."""
 
@@ -92,8 +82,7 @@ class Scheduler:
         self.num_preempted = 0
         self.steps = 0
         self._loads: list[tuple[object, list[int]]] = []
-        self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
-        self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
+        AdapterPrefetch.__init__(self)
 
     def kv_pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.ps)
@@ -317,34 +306,14 @@ class Scheduler:
             return kv, entry.layout.pages  # taken, or no longer evictable
         return kv, 0
 
-    # -- prefix cache ------------------------------------------------------------------------
-
-    def _page_keys(self, req: Request, adapter) -> list[PageKey]:
-        """The chained keys of the request's full pages of known tokens under adapter version
-        `adapter` (None: the base model), kept on the request and extended as it grows."""
-        if req.page_keys_for != adapter:
-            req.page_keys, req.page_keys_for = [], adapter
-        return extend_keys(req.page_keys, req.tokens, adapter, self.ps, len(req.tokens) // self.ps, PENDING)
-
     def _hits(self, req: Request, entry) -> list[int]:
-        """The cached pages a request admitted now would start with: its longest cached run of
-        full pages, short of the page of its last token (computed to sample the next one)."""
         if not self.config.enable_prefix_caching:
             return []
-        keys = self._page_keys(req, entry.key if entry is not None else None)
-        return self.pool.match_prefix(keys[:(len(req.tokens) - 1) // self.ps])
+        return cached_prefix(self.pool, req, entry.key if entry is not None else None, self.ps, PENDING)
 
     def _cache_pages(self, req: Request) -> None:
-        """Offer the request's full pages whose K/V is dispatched to the prefix cache (a page
-        with a token still on the device waits for a later call)."""
-        full = req.num_computed // self.ps
-        if full <= req.pages_cached or not self.config.enable_prefix_caching:
-            return
-        keys = self._page_keys(req, req.adapter.key if req.adapter is not None else None)
-        n = min(full, len(keys))
-        for i in range(req.pages_cached, n):
-            self.pool.cache_page(req.rid, i, keys[i])
-        req.pages_cached = max(req.pages_cached, n)
+        if self.config.enable_prefix_caching:
+            offer_pages(self.pool, req, req.adapter.key if req.adapter is not None else None, self.ps, PENDING)
 
     def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
                     leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
@@ -552,68 +521,6 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preempted += 1
         self.metrics.requests_preempted.inc()
-
-    # -- prefetch ----------------------------------------------------------------------------
-
-    def prefetch(self, plan: Plan | None = None) -> list[tuple[object, list[int]]]:
-        """Pin the adapters of the predicted next admissions; returns the cold ones' (entry,
-        pages), which the caller fills while the current step (`plan`) runs. The prediction is
-        the admission walk, dry, as if the requests that `plan` surely finishes (max_tokens
-        reached) had left. Pins of adapters no longer predicted are dropped."""
-        if not self.config.prefetch_adapters:
-            return []
-        leaving = [r for r, _, end in (plan.chunks if plan else ()) if end == len(r.tokens)
-                   and r.generated + 1 >= r.params.max_tokens]
-        predicted = self._admissions(self.config.max_num_batched_tokens, 0, dry=True, leaving=leaving) \
-            if self.waiting else []
-        entries = list({e.key: e for _, e, _ in predicted if e is not None}.values())
-        want = {e.key for e in entries}
-        for key in [k for k in self._prefetched if k not in want]:
-            self._unpin(key)
-        for e in entries:  # first protect the resident ones from the loads below
-            if e.key in self._prefetched:
-                self._prefetched[e.key].step = self.steps
-            elif self.pool.is_idle(e.key):
-                self.pool.pin_adapter(e.key, e.layout.pages)
-                self._prefetched[e.key] = _Prefetched(e, self.steps)
-        headroom = len(self.running)  # the running batch's next decode step may take a page each
-        loads = []
-        for e in entries:
-            if len(loads) >= self.config.prefetch_adapters:
-                break
-            if self.pool.is_resident(e.key) or self.pool.is_doomed(e.key):
-                continue
-            if not self.pool.budget().fits(headroom, e.layout.pages):
-                break
-            pages, _ = self.pool.pin_adapter(e.key, e.layout.pages)
-            self._prefetched[e.key] = _Prefetched(e, self.steps)
-            self._prefetch_loaded.add(e.key)
-            loads.append((e, pages))
-            self.metrics.prefetch_issued.inc()
-        return loads
-
-    def _expire_pins(self) -> None:
-        """Drop stale pins (the adapter was re-registered or unloaded) and pins that two
-        schedules after their prefetch have not used."""
-        for key, p in list(self._prefetched.items()):
-            current = self.resolve(p.entry.name)
-            if current is None or current.key != key or self.steps > p.step + 1:
-                self._unpin(key)
-
-    def _unpin(self, key) -> None:
-        self._prefetched.pop(key)
-        self.pool.unpin_adapter(key)
-        if key in self._prefetch_loaded:
-            self.metrics.prefetch_dropped.inc()
-            if not self.pool.is_resident(key):
-                self._prefetch_loaded.discard(key)
-
-    def drop_pins(self) -> bool:
-        """Give back every prefetch pin (pages are short). True if there were any."""
-        keys = list(self._prefetched)
-        for key in keys:
-            self._unpin(key)
-        return bool(keys)
 
     def _append(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)
