@@ -1,9 +1,9 @@
 """The host side of the unified page pool: one free list for KV cache and adapter weights.
 
 A page is a slot index valid in every layer's pool array (S-LoRA's design). Each page is, at any
-time, exactly one of: free, KV of one request, weights of one adapter version. Adapters are
-refcounted by the running requests that use them; an idle adapter stays resident as a cache and is
-evicted, least recently used first, only when pages are short.
+time, exactly one of: free, KV of one request, weights of one adapter version, or cached KV
+(shared by the requests holding it, or idle). Adapters are refcounted by the running requests
+that use them; an idle adapter stays resident as a cache and is evicted only when pages are short.
 
 Page 0 is the null page: never handed out, it absorbs the writes and reads of padded rows.
 
@@ -59,7 +59,7 @@ class UnifiedPool:
         self.kv: dict[Hashable, list[int]] = {}
         self.adapters: dict[Hashable, list[int]] = {}
         self.refs: dict[Hashable, int] = {}
-        self._idle: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # LRU order
+        self._idle: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # eviction order
         self._doomed: set[Hashable] = set()  # retired (replaced/unloaded) versions, forever: never
         # handed out again; their pages go as soon as they are idle
         self.pins: dict[Hashable, int] = {}  # prefetch pins: references no request holds yet
