@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from slora_jax import LLM, SamplingParams
 from slora_jax.engine import prefix_cache
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
-from slora_jax.engine.prefix_cache import extend_keys
 from slora_jax.model.config import load_model_config
 from slora_jax.model.peft import random_peft_adapter
 
@@ -207,6 +206,7 @@ def test_aborted_requests_leave_nothing_behind(llm):
     run(llm, [prompt], ["a"], on=True)
     outs = [llm.engine.add_request(prompt, SP, name, 0, ()) for name in ("a", "a", None)]
     llm.engine.step()
+    assert max(llm.engine.pool.page_refs.values()) == 2  # the two "a" rows share the cached pages
     for o in outs:
         llm.engine.abort(o.request_id)
     while llm.engine.has_unfinished():
@@ -248,17 +248,19 @@ def test_openai_usage_reports_cached_prompt_tokens(paths):
 
 
 def keys_of(tokens, adapter, ps=2):
-    return extend_keys([], tokens, adapter, ps, len(tokens) // ps)
+    return prefix_cache.extend_keys([], tokens, adapter, ps, len(tokens) // ps)
 
 
 def test_keys_chain_the_prefix_and_the_adapter_version():
     a = keys_of([1, 2, 3, 4], ("a", 1))
     assert keys_of([1, 2, 3, 4], ("a", 1)) == a
     assert keys_of([9, 2, 3, 4], ("a", 1))[1] != a[1]     # an earlier page changes every later key
+    assert keys_of([1, 2, 3, 5], ("a", 1))[1] != a[1]     # every token of the page is in its key
+    assert keys_of([1, 2, 3, 4, 5, 6], ("a", 1))[:2] == a  # what follows changes nothing before it
     assert keys_of([1, 2, 3, 4], ("a", 2))[0] != a[0]     # another version of the adapter
     assert keys_of([1, 2, 3, 4], None)[0] != a[0]         # the base model
     assert len(keys_of([1, 2, 3], None)) == 1             # full pages only
-    assert len(extend_keys([], [1, 2, -1, 4], None, 2, 2, unknown=-1)) == 1
+    assert len(prefix_cache.extend_keys([], [1, 2, -1, 4], None, 2, 2, unknown=-1)) == 1
 
 
 def filled(pool, rid, tokens, adapter, ps=2):
@@ -350,7 +352,7 @@ def test_eviction_is_lru_over_adapters_and_cached_pages():
     pool.check()
 
 
-class _OffByOne(UnifiedPool):
+class _MissedDecrement(UnifiedPool):
     """Planted bug: a shared page's last holder is forgotten (a decrement missed on finish)."""
 
     def free_kv(self, rid):
@@ -362,7 +364,7 @@ class _OffByOne(UnifiedPool):
 
 
 def test_planted_missed_decrement_is_caught():
-    pool = _OffByOne(10)
+    pool = _MissedDecrement(10)
     filled(pool, 0, [1, 2, 3, 4], None)
     filled(pool, 1, [1, 2, 3, 4, 5], None)
     pool.free_kv(1)
@@ -371,8 +373,18 @@ def test_planted_missed_decrement_is_caught():
 
 
 def test_planted_key_bugs_are_caught(monkeypatch):
-    """Keys without the adapter version, or chained off the wrong parent, hit pages they must not:
-    the key tests above fail on either."""
+    """Keys without the adapter version, chained off the wrong parent, or over a page's tokens
+    off by one, hit pages they must not: the key test above fails on each."""
+    def off_by_one(keys, tokens, adapter, page_size, limit, unknown=None):
+        while len(keys) < limit and (len(keys) + 1) * page_size <= len(tokens):
+            i = len(keys)
+            keys.append(prefix_cache.page_key(keys[-1].key if keys else prefix_cache.ROOT, adapter,
+                                              tokens[i * page_size:(i + 1) * page_size - 1]))
+        return keys
+    with monkeypatch.context() as m:
+        m.setattr(prefix_cache, "extend_keys", off_by_one)
+        with pytest.raises(AssertionError):
+            test_keys_chain_the_prefix_and_the_adapter_version()
     good = prefix_cache.page_key
     monkeypatch.setattr(prefix_cache, "page_key", lambda parent, adapter, tokens: good(parent, None, tokens))
     with pytest.raises(AssertionError):
