@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from slora_jax import LLM, SamplingParams
 from slora_jax.engine import prefix_cache
-from slora_jax.engine.pool import OutOfPages, UnifiedPool
+from slora_jax.engine.pool import OutOfPages, RegionPool, UnifiedPool
 from slora_jax.model.config import load_model_config
 from slora_jax.model.peft import random_peft_adapter
 
@@ -349,6 +349,24 @@ def test_eviction_is_lru_over_adapters_and_cached_pages():
     assert not pool.is_resident("old") and pool.cached_pages == 2
     pool.grow_kv(9, 2)                    # one more than free: the tail page of the cached sequence
     assert len(pool.match_prefix(keys_of([1, 2, 3, 4], None))) == 1
+    pool.check()
+
+
+def test_region_pool_evicts_cached_pages_for_kv_only():
+    """The separate-regions baseline: cached pages live in the KV region; KV takes them back,
+    adapters never do (they evict only idle adapters inside their region)."""
+    pool = RegionPool(16, 5)
+    pool.acquire_adapter("x", 3)
+    pool.release_adapter("x")
+    filled(pool, 0, [1, 2, 3, 4, 5, 6], None)
+    pool.free_kv(0)
+    assert pool.available() == 10 and pool.cached_pages == 3
+    pool.grow_kv(1, 9)  # 7 free KV pages and two of the cached ones
+    assert pool.cached_pages == 1 and pool.is_resident("x")
+    with pytest.raises(OutOfPages):
+        pool.acquire_adapter("y", 6)  # more than the region: the cached page is no adapter's
+    pool.acquire_adapter("y", 4)      # evicts "x" inside the region
+    assert not pool.is_resident("x") and pool.cached_pages == 1
     pool.check()
 
 
