@@ -7,7 +7,7 @@ import json
 import sys
 
 from bench.serving import Record
-from bench.trace import Trace, prompt_tokens
+from bench.trace import Trace
 
 
 async def _http_one(client, url: str, rec: Record, prompt: list[int], model: str, t0: float,
@@ -60,9 +60,10 @@ async def _http_replay(url: str, trace: Trace, names: list[str] | None, base_mod
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
         t0 = asyncio.get_running_loop().time()
+        prompts = trace.prompts(vocab)
         await asyncio.gather(*(
-            _http_one(client, url, rec, prompt_tokens(rec.index, rec.prompt_len, vocab, w.seed),
-                      rec.adapter or base_model, t0, w.slo_s if w.early_abort else None)
+            _http_one(client, url, rec, prompts[rec.index], rec.adapter or base_model, t0,
+                      w.slo_s if w.early_abort else None)
             for rec in recs))
         wall = asyncio.get_running_loop().time() - t0
     wall = max([r.finish_s for r in recs if r.finish_s is not None] or [wall])

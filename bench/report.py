@@ -76,6 +76,9 @@ def table(result: dict) -> str:
                  ("steps / evictions / preempted", f"{p['steps']} / {p['evictions']} / {p['preempted']}"),
                  ("compiles during run (s)", f"{p['compiles']} ({p['compile_s']:.1f})"),
                  ("adapter reads from disk", p.get("adapter_disk_loads", "-"))]
+        pc = p.get("prefix_cache")
+        if pc and pc["queries"]:
+            rows.append(("prefix cache hit rate (prompt tokens)", f"{pc['hit_rate']:.3f} of {pc['queries']}"))
         k = p.get("steps_by_kind")
         if k:
             ms = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731

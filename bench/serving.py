@@ -213,7 +213,7 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
     eng, vocab, eos = llm.engine, llm.cfg.vocab_size, llm.cfg.eos_token_ids
     recs = [Record(i, r.arrival_s, names[r.adapter_id] if names else None, r.prompt_len, r.output_len)
             for i, r in enumerate(trace)]
-    prompts = [prompt_tokens(i, r.prompt_len, vocab, w.seed) for i, r in enumerate(trace)]
+    prompts = trace.prompts(vocab)
     reqs = trace.requests
     no_token: dict[int, object] = {}   # waiting for a first token
     live: dict[int, object] = {}       # not finished
@@ -315,11 +315,20 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
         "step_seconds": {k: after["host_seconds"][k] - before["host_seconds"].get(k, 0.0)
                          for k in after.get("host_seconds", {})},
         "steps_by_kind": _steps_by_kind(before, after),
+        "prefix_cache": _prefix_cache(before, after),
         "host_ms_by_transition": _host_by_transition(before, after),
     }
     if tracer is not None:
         pool["serving_trace"] = tracer.summary()
     return recs, pool
+
+
+def _prefix_cache(before: dict, after: dict) -> dict:
+    """Prompt tokens looked up in the prefix cache and served from it over the run, and the
+    cached pages left idle at its end."""
+    q, h = (after["prefix_cache"][k] - before["prefix_cache"][k] for k in ("queries", "hits"))
+    return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0,
+            "cached_pages_end": after["prefix_cache"]["cached_pages"]}
 
 
 def _host_by_transition(before: dict, after: dict) -> dict:

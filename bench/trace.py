@@ -11,6 +11,16 @@ legacy generator (`numpy.random.RandomState(seed)`), so a given seed gives S-LoR
 
 Adapter i has rank ranks[i % len(ranks)], cycling as S-LoRA's launch_server.py registers its
 LoRA directories. Numpy and the standard library only: the torch baselines import this too.
+
+A multi-tenant trace (a workload with `system_prompt_range`, `generate_multi_tenant`) repeats
+prefixes, as tenants do: adapter i has a fixed system prompt of a length drawn from
+system_prompt_range; a request's prompt is its adapter's system prompt and a user turn of
+input_range tokens; popularity is Zipf, its exponent solved so that `zipf_top_share` of the
+requests go to the top 10% of adapters; with probability `continue_share` a request continues
+its adapter's latest conversation: its prompt is that request's prompt, an answer of that
+request's output length (fixed tokens of the trace, not the model's answer, so that every run
+sends the same prompts) and a new user turn. A continuation that would pass `max_context`
+tokens starts a new conversation instead.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ class TraceRequest:
     adapter_id: int    # in [0, n)
     prompt_len: int
     output_len: int
+    parent: int = -1   # multi-tenant traces: the request whose conversation this continues (-1: new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +65,18 @@ class Workload:
     distinct_files: int = 8            # PEFT directories per rank, registered under n names
     warmup_s: float = 0.0              # seconds of a warm-up trace (another seed) before measuring
     early_abort: bool = False          # pass slo_s to the engine as SamplingParams.ttft_slo
+    # multi-tenant traces (see the module doc); None: S-LoRA's trace
+    system_prompt_range: tuple[int, int] | None = None
+    zipf_top_share: float = 0.6        # share of requests on the top 10% of adapters
+    continue_share: float = 0.0        # share of requests that continue an earlier conversation
+    max_context: int = 4096            # prompt + output tokens a continuation may reach
     engine: tuple = ()                 # sorted (key, value) EngineConfig fields for LLM(**options)
     sweep: tuple = ()                  # sorted (key, values) for the GPU suite
 
     def __post_init__(self):
-        for f in ("ranks", "input_range", "output_range"):
-            object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
+        for f in ("ranks", "input_range", "output_range", "system_prompt_range"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
         for f in ("engine", "sweep"):
             v = getattr(self, f)
             if isinstance(v, dict):
@@ -69,7 +86,12 @@ class Workload:
             raise ValueError(f"{self.name}: need n >= 1 and positive ranks, got n={self.n}, ranks={self.ranks}")
         if self.alpha <= 0 or self.rate <= 0 or self.cv <= 0:
             raise ValueError(f"{self.name}: alpha, rate and cv must be > 0")
-        for f in ("input_range", "output_range"):
+        if self.system_prompt_range is not None:
+            if not 0.0 < self.zipf_top_share < 1.0 or not 0.0 <= self.continue_share < 1.0:
+                raise ValueError(f"{self.name}: zipf_top_share must be in (0, 1) and continue_share in [0, 1)")
+            if self.max_context < self.system_prompt_range[1] + self.input_range[1] + self.output_range[1]:
+                raise ValueError(f"{self.name}: max_context must hold the longest fresh conversation")
+        for f in ("input_range", "output_range") + (("system_prompt_range",) if self.system_prompt_range else ()):
             lo, hi = getattr(self, f)
             if not 1 <= lo < hi:
                 raise ValueError(f"{self.name}: {f} must be [lo, hi) with 1 <= lo < hi, got {(lo, hi)}")
@@ -102,8 +124,8 @@ class Workload:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["engine"], d["sweep"] = self.engine_options, self.sweeps
-        for f in ("ranks", "input_range", "output_range"):
-            d[f] = list(d[f])
+        for f in ("ranks", "input_range", "output_range", "system_prompt_range"):
+            d[f] = list(d[f]) if d[f] is not None else None
         return d
 
 
@@ -155,11 +177,33 @@ class Trace:
             "distinct_adapters": int((counts > 0).sum()),
             "prompt_tokens": int(sum(r.prompt_len for r in self.requests)),
             "output_tokens": int(sum(r.output_len for r in self.requests)),
+            "continued": sum(r.parent >= 0 for r in self.requests),
+            # requests on the 10% of adapters with the lowest ids (the most popular by construction)
+            "top10_share": float(counts[:max(1, len(counts) // 10)].sum() / len(self.requests)),
         }
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        """Every request's prompt ids: random ones (`prompt_tokens`), or in a multi-tenant trace
+        the system prompt, the conversation so far and the user turn."""
+        w = self.workload
+        if w.system_prompt_range is None:
+            return [prompt_tokens(i, r.prompt_len, vocab_size, w.seed) for i, r in enumerate(self.requests)]
+        systems = system_prompt_lengths(w)
+        out: list[list[int]] = []
+        for i, r in enumerate(self.requests):
+            if r.parent < 0:
+                head = random_ids([w.seed, 1, r.adapter_id], int(systems[r.adapter_id]), vocab_size)
+            else:  # the conversation so far: its prompt and a fixed answer of its output length
+                p = self.requests[r.parent]
+                head = out[r.parent] + random_ids([w.seed, 2, r.parent], p.output_len, vocab_size)
+            out.append(head + prompt_tokens(i, r.prompt_len - len(head), vocab_size, w.seed))
+        return out
 
 
 def generate(w: Workload, seed: int | None = None) -> Trace:
     """The trace of workload `w` (seed: w.seed unless given). Same seed, same trace."""
+    if w.system_prompt_range is not None:
+        return generate_multi_tenant(w, seed)
     rs = np.random.RandomState(w.seed if seed is None else seed)
     total = w.total_requests
     ids = (rs.power(w.alpha, total) * w.n).astype(int)
@@ -172,10 +216,71 @@ def generate(w: Workload, seed: int | None = None) -> Trace:
     return Trace(w, reqs)
 
 
+def zipf_exponent(n: int, top_share: float) -> float:
+    """The exponent s of popularity 1/(i+1)^s over n adapters that puts `top_share` of the
+    requests on the top 10% of them (bisection; the share grows with s)."""
+    ranks = np.arange(1, n + 1, dtype=np.float64)
+    top = max(1, n // 10)
+    lo, hi = 0.0, 8.0
+    for _ in range(60):
+        s = (lo + hi) / 2
+        w = ranks ** -s
+        lo, hi = (s, hi) if w[:top].sum() / w.sum() < top_share else (lo, s)
+    return (lo + hi) / 2
+
+
+def system_prompt_lengths(w: Workload) -> np.ndarray:
+    """Each adapter's system prompt length (fixed by the workload's seed, whatever the trace's)."""
+    lo, hi = w.system_prompt_range
+    return np.random.RandomState(w.seed).randint(lo, hi, w.n)
+
+
+def generate_multi_tenant(w: Workload, seed: int | None = None) -> Trace:
+    """A multi-tenant trace (see the module doc): system prompts, Zipf popularity, continued
+    conversations. prompt_len is the whole prompt's length."""
+    rs = np.random.RandomState(w.seed if seed is None else seed)
+    total = w.total_requests
+    p = np.arange(1, w.n + 1, dtype=np.float64) ** -zipf_exponent(w.n, w.zipf_top_share)
+    ids = rs.choice(w.n, total, p=p / p.sum())
+    turn = rs.randint(w.input_range[0], w.input_range[1], total)
+    output = rs.randint(w.output_range[0], w.output_range[1], total)
+    arrival = np.cumsum(rs.gamma(1.0 / (w.cv * w.cv), w.cv * w.cv / w.rate, total))
+    goes_on = rs.random_sample(total) < w.continue_share
+    anyone = rs.random_sample(total)  # a continuation whose adapter has no conversation to continue
+    systems = system_prompt_lengths(w)
+    reqs: list[TraceRequest] = []
+    by_adapter: dict[int, list[int]] = {}
+
+    def fits(j: int, i: int) -> bool:
+        q = reqs[j]
+        return q.prompt_len + q.output_len + int(turn[i]) + int(output[i]) <= w.max_context
+
+    for i in range(total):
+        a, parent = int(ids[i]), -1
+        if goes_on[i] and i > 0:
+            # the adapter's latest conversation that has room, else an earlier request's (any
+            # adapter's, from a random point back), so that continue_share of them continue
+            parent = next((j for j in reversed(by_adapter.get(a, ())) if fits(j, i)), -1)
+            if parent < 0:
+                parent = next((j for j in range(int(anyone[i] * i), -1, -1) if fits(j, i)), -1)
+                a = reqs[parent].adapter_id if parent >= 0 else a
+        if parent >= 0:
+            length = reqs[parent].prompt_len + reqs[parent].output_len + int(turn[i])
+        else:
+            length = int(systems[a]) + int(turn[i])
+        reqs.append(TraceRequest(float(arrival[i]), a, length, int(output[i]), parent))
+        by_adapter.setdefault(a, []).append(i)
+    return Trace(w, tuple(reqs))
+
+
 def prompt_tokens(req_index: int, length: int, vocab_size: int, seed: int) -> list[int]:
     """Deterministic random prompt ids in [3, vocab) for request `req_index` of a trace."""
-    rng = np.random.default_rng([seed, req_index])
-    return rng.integers(3, vocab_size, length).tolist()
+    return random_ids([seed, req_index], length, vocab_size)
+
+
+def random_ids(entropy: list[int], length: int, vocab_size: int) -> list[int]:
+    """`length` token ids in [3, vocab), fixed by `entropy` (non-negative ints)."""
+    return np.random.default_rng(entropy).integers(3, vocab_size, length).tolist()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ LORA_BACKENDS = ("auto", "xla", "pallas", "ranksplit")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 ADMISSION_ORDERS = ("fcfs", "affinity")
 BASELINE_KINDS = ("padded_slots", "separate")
+EVICTION_POLICIES = ("lru", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,8 @@ class EngineConfig:
     page_size: int = 16                      # vectors per page; 1 is S-LoRA's token-granular pool
     gpu_memory_utilization: float = 0.9      # share of the device's total memory the engine may use
     pool_pages: int | None = None            # an exact pool size; overrides gpu_memory_utilization
+    enable_prefix_caching: bool = False      # share full KV pages of equal prefixes (same adapter version)
+    eviction_policy: str = "lru"             # idle adapters and cached pages: "lru" or "cost" (pool.py)
     # -- batching -------------------------------------------------------------------------------
     max_num_seqs: int = 64                   # running requests
     max_num_batched_tokens: int = 2048       # tokens a prefill step; longer prompts are chunked
@@ -71,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_cpu_lora_gb is not None and not self.max_cpu_lora_gb > 0:
             raise ValueError(f"max_cpu_lora_gb must be > 0 or None, got {self.max_cpu_lora_gb!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s!r}")
         if self.early_abort_ttft is not None and not self.early_abort_ttft > 0:
@@ -79,6 +84,7 @@ class EngineConfig:
                 or self.prefetch_adapters < 0:
             raise ValueError(f"prefetch_adapters must be an integer >= 0, got {self.prefetch_adapters!r}")
         _one_of("admission_order", self.admission_order, ADMISSION_ORDERS)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("lora_backend", self.lora_backend, LORA_BACKENDS)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.baseline is not None and not isinstance(self.baseline, AdapterMemoryBaseline):

@@ -22,6 +22,7 @@ class RequestOutput:
     abort_reason: str | None = None
     error_code: str | None = None     # finish_reason "error": why, as an OpenAI error code
     adapter: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
 
     @property
     def finished(self) -> bool:
@@ -55,6 +56,11 @@ class Request:
     deadline: float | None = None     # arrival + TTFT objective
     first_token_at: float | None = None
     resumed: bool = False             # preempted after admission: goes first
+    # prefix caching: the chained keys of its full pages, under the adapter version page_keys_for,
+    # and how many of its leading pages were offered to the cache
+    page_keys: list = dataclasses.field(default_factory=list, repr=False)
+    page_keys_for: object = None
+    pages_cached: int = 0
     adapter_name: str | None = dataclasses.field(init=False)  # what the request asked for
 
     def __post_init__(self):

@@ -262,20 +262,23 @@ def test_legacy_config_layout(oracle):
 
 # --- the paged engine under pressure ------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "ranksplit_lora"])
+@pytest.mark.parametrize("config", ["page_size_1", "tight_pool", "pallas_kernels", "ranksplit_lora", "prefix_caching"])
 @pytest.mark.parametrize("model", MODELS)
 def test_paged_engine_configurations(oracle, model, config, monkeypatch):
     """The mixed batch through token-granular pages (S-LoRA's page size 1); through a pool too
     small to hold every adapter at once with fewer sequence slots than requests (adapters are
     evicted and paged in again mid-run, requests queue); through the Pallas LoRA and decode
     attention kernels, with the rank-split decode kernel (triton_kernels/ranksplit.py; off the
-    GPU its jnp stand-in from the same tables). Every row still matches the oracle."""
+    GPU its jnp stand-in from the same tables); with prefix caching, run twice so the second run
+    starts from the first's cached pages. Every row still matches the oracle."""
     LLM, _ = _api()
     adapters = {a: oracle.adapter_dir(model, a) for a in oracle.adapters(model)}
     prompts = [oracle.prompts[p] for p, _ in MIXED]
     names = [a for _, a in MIXED]
     if config == "page_size_1":
         opts = dict(page_size=1)
+    elif config == "prefix_caching":
+        opts = dict(page_size=4, enable_prefix_caching=True)
     elif config in ("pallas_kernels", "ranksplit_lora"):  # interpret mode on the CPU
         opts = dict(lora_backend="pallas", attention_backend="pallas")
         if config == "ranksplit_lora":
@@ -299,6 +302,9 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert sum(pages) > pages[-1] + pages[-2]
     llm = LLM(oracle.model_dir(model), adapters=adapters, dtype="float32", **{**_llm_options(), **opts})
     outs = llm.generate(prompts, _greedy(), adapter=names)
+    if config == "prefix_caching":
+        outs = llm.generate(prompts, _greedy(), adapter=names)
+        assert llm.stats()["prefix_cache"]["hits"] > 0
     for out, (p, a) in zip(outs, MIXED):
         _check_generation(out, oracle, model, a, p, what=f"{config}: ")
     stats = llm.stats()
@@ -306,5 +312,6 @@ def test_paged_engine_configurations(oracle, model, config, monkeypatch):
         assert stats["evictions"] > 0, stats
     if config == "ranksplit_lora":  # decode steps took it
         assert launches and min(launches) > 0, launches
-    assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"]
+    cached = stats["prefix_cache"]["cached_pages"]
+    assert stats["kv_pages"] == 0 and stats["free_pages"] == stats["total_pages"] - stats["adapter_pages"] - cached
     llm.engine.pool.check()

@@ -153,6 +153,8 @@ class Engine:
         self.ps = config.page_size
         self.num_pages = self._pool_pages()
         self.pool = self._make_pool(self.num_pages)
+        if config.eviction_policy == "cost":  # an adapter page's reload: its bytes over the measured copy rate
+            self.pool.page_seconds["adapter"] = paged.page_bytes(cfg, self.ps, self.dtype) / paged.host_to_device_rate()
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
         baseline = config.baseline
         self._lora_slots = baseline.size if baseline is not None and baseline.kind == "padded_slots" else None
@@ -190,7 +192,7 @@ class Engine:
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         baseline = self.config.baseline
         if baseline is None:
-            return UnifiedPool(num_pages)
+            return UnifiedPool(num_pages, self.config.eviction_policy)
         if baseline.kind == "separate":
             region, slot = baseline.size, None
         else:
@@ -203,7 +205,7 @@ class Engine:
             what = f"{baseline.size} slots of {slot} pages" if slot else f"{region} adapter pages"
             raise ValueError(f"baseline {baseline.kind!r}: {what} leave no KV page in a pool of "
                              f"{num_pages - 1} usable pages")
-        return RegionPool(num_pages, region, slot_pages=slot)
+        return RegionPool(num_pages, region, slot_pages=slot, eviction_policy=self.config.eviction_policy)
 
     def _pool_pages(self) -> int:
         """config.pool_pages, or the pages of gpu_memory_utilization's budget (`pool_bytes`), capped
@@ -500,7 +502,7 @@ class Engine:
         self.sched.drop_pins()
         n = len(prompts)
         self.sched.config = self.config.replace(max_num_batched_tokens=sum(map(len, prompts)), max_num_seqs=n,
-                                                max_loras=n)
+                                                max_loras=n, enable_prefix_caching=False)  # every position
         self.sched.max_prefill_seqs = n
         try:
             plan = self.sched.schedule()
@@ -532,6 +534,8 @@ class Engine:
             "kv_pages": self.pool.kv_pages, "adapter_pages": self.pool.adapter_pages,
             "resident_adapters": len(self.pool.adapters), "running": len(self.running),
             "waiting": len(self.waiting), "page_size": self.ps, "evictions": self.pool.evictions,
+            "prefix_cache": {"queries": self.metrics.prefix_cache_queries.value,
+                             "hits": self.metrics.prefix_cache_hits.value, "cached_pages": self.pool.cached_pages},
             "preempted": self.num_preempted, "steps": self.step_count,
             "adapter_disk_loads": self.store.disk_loads, "host_seconds": dict(self.timer.seconds),
             "host_by_transition": {k: list(v) for k, v in self.host_by_transition.items()},

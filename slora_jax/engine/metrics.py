@@ -99,6 +99,10 @@ class EngineMetrics:
         self.free_pages = Gauge("free pool pages")
         self.adapter_page_share = Gauge("adapter pages / (adapter + KV pages)")
         self.evictions = Gauge("idle adapters evicted from the pool (cumulative)")
+        self.prefix_cache_queries = Counter("prompt tokens looked up in the prefix cache at admission")
+        self.prefix_cache_hits = Counter("prompt tokens served from the prefix cache")
+        self.prefix_cached_pages_base = Gauge("pages in the prefix cache holding base-model KV (in use or idle)")
+        self.prefix_cached_pages_lora = Gauge("pages in the prefix cache holding an adapter's KV (in use or idle)")
         # adapter loads and prefetch
         self.adapter_load_seconds = Histogram("host time to stage and dispatch one adapter's rows")
         self.adapter_loads = Counter("adapter versions written into the pool (any path)")
@@ -156,6 +160,12 @@ class StepCostModel:
         var = xx / n - mx * mx
         slope = max(0.0, (xy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
         return max(0.0, my + slope * (tokens - mx))
+
+    def seconds_per_token(self, kind: str) -> float:
+        """Seconds a token of the observed `kind` steps, their fixed cost spread over their tokens
+        (0 while unknown): steadier than the line's slope, which noise can flatten to 0."""
+        s = self._sums.get(kind)
+        return s[2] / s[1] if s is not None and s[1] > 0 else 0.0
 
     def prefill_seconds(self, tokens: int) -> float:
         return self.predict("prefill", tokens)

@@ -29,6 +29,9 @@ Policies (fields of `EngineConfig`):
   from pages the next decode step does not need) until a request uses them or a schedule drops them.
 - Adapter versions. A request binds to the version registered under its name when admitted, so
   a re-registered adapter's stale pages serve no later request; they are freed after their users.
+- Prefix caching (`enable_prefix_caching`, prefix_cache.py). Admission starts a request's page
+  table with its cached pages and its prefill after them; the budget counts only the pages it
+  still takes. Its full pages join the cache as their K/V is dispatched.
 - Chunked prefill. A prompt longer than a step's token budget (`max_num_batched_tokens`) is
   prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that fits a step
   of its own is not split to fill what is left of a step's budget: it starts the next step whole.
@@ -40,7 +43,6 @@ Policies (fields of `EngineConfig`):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import time
@@ -49,6 +51,8 @@ from typing import Callable
 from slora_jax.config import EngineConfig
 from slora_jax.engine.metrics import EngineMetrics, StepCostModel
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
+from slora_jax.engine.prefetch import AdapterPrefetch
+from slora_jax.engine.prefix_cache import cached_prefix, offer_pages
 from slora_jax.request import Plan, Request, RequestOutput
 
 __all__ = ["Scheduler", "Request", "Plan", "StepCostModel", "PENDING", "MAX_PREFILL_SEQS"]
@@ -58,13 +62,7 @@ PENDING = -1  # overlapped steps: a token sampled by a step whose results are st
 LOOKAHEAD = 512  # waiting requests an admission walk considers, in service order
 
 
-@dataclasses.dataclass
-class _Prefetched:
-    entry: object
-    step: int
-
-
-class Scheduler:
+class Scheduler(AdapterPrefetch):
     """config: the EngineConfig (its scheduling fields). mixed_steps: decode tokens ride along in
     prefill steps (see the module docstring)."""
 
@@ -84,8 +82,7 @@ class Scheduler:
         self.num_preempted = 0
         self.steps = 0
         self._loads: list[tuple[object, list[int]]] = []
-        self._prefetched: dict[object, _Prefetched] = {}   # key -> pin taken by prefetch
-        self._prefetch_loaded: set = set()                 # keys a prefetch wrote, not used yet
+        AdapterPrefetch.__init__(self)
 
     def kv_pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.ps)
@@ -151,6 +148,7 @@ class Scheduler:
             if req.out.finished:
                 continue
             req.num_computed = end
+            self._cache_pages(req)
             if end == len(req.tokens):
                 plan.pending.append((i, req, len(req.tokens)))
                 req.tokens.append(PENDING)
@@ -189,6 +187,7 @@ class Scheduler:
             if req.out.finished:  # aborted during the step
                 continue
             req.num_computed = end
+            self._cache_pages(req)
             if end == len(req.tokens):
                 self._first_token(req, now)
                 self._append(req, int(results[i][0]), float(results[i][1]))
@@ -203,6 +202,8 @@ class Scheduler:
         tokens = sum(end - start for _, start, end in plan.chunks)
         if seconds is not None:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
+            if plan.kind == "prefill":  # the cost-aware eviction's price of a cached page
+                self.pool.page_seconds["prefix"] = self.cost.seconds_per_token("prefill") * self.ps
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
             if plan.kind == "prefill" and plan.loads:  # an adapter's copy and scatter ran on this step's critical path
                 m.prefill_load_step_seconds.observe(seconds)
@@ -232,6 +233,9 @@ class Scheduler:
         m.free_pages.set(pool.free_pages)
         m.adapter_page_share.set(ad / (ad + kv) if ad + kv else 0.0)
         m.evictions.set(pool.evictions)
+        base = len(pool.prefix.by_adapter.get(None, ()))
+        m.prefix_cached_pages_base.set(base)
+        m.prefix_cached_pages_lora.set(len(pool.prefix) - base)
 
     def _early_abort(self) -> list[RequestOutput]:
         """Abort the queued requests whose first token, were they admitted now, would come past
@@ -291,13 +295,25 @@ class Scheduler:
     def _urgent(self, req: Request, now: float) -> bool:
         return req.resumed or now - req.arrival >= self.config.max_wait_s
 
-    def _need(self, entry, end: int, claimed: set) -> tuple[int, int]:
-        """(KV pages, adapter pages) that admitting a request with this adapter and first chunk
-        takes from the pool's budget."""
+    def _need(self, entry, end: int, hits: list[int], claimed: set) -> tuple[int, int]:
+        """(KV pages, adapter pages) that admitting a request with this adapter, these cached
+        pages and first chunk takes from the pool's budget: a hit on a page another request holds
+        costs nothing, one on an idle cached page costs that page (it is no longer evictable)."""
+        shared = self.pool.page_refs
+        kv = self.kv_pages_for(end) - sum(1 for p in hits if p in shared)
         if entry is not None and entry.key not in claimed and \
                 (not self.pool.is_resident(entry.key) or self.pool.is_idle(entry.key)):
-            return self.kv_pages_for(end), entry.layout.pages  # taken, or no longer evictable
-        return self.kv_pages_for(end), 0
+            return kv, entry.layout.pages  # taken, or no longer evictable
+        return kv, 0
+
+    def _hits(self, req: Request, entry) -> list[int]:
+        if not self.config.enable_prefix_caching:
+            return []
+        return cached_prefix(self.pool, req, entry.key if entry is not None else None, self.ps, PENDING)
+
+    def _cache_pages(self, req: Request) -> None:
+        if self.config.enable_prefix_caching:
+            offer_pages(self.pool, req, req.adapter.key if req.adapter is not None else None, self.ps, PENDING)
 
     def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
                     leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
@@ -331,14 +347,16 @@ class Scheduler:
                 if urgent:
                     break  # the batch drains until this request's adapter fits
                 continue
-            end = min(len(req.tokens), budget)
-            if end < len(req.tokens) and (out or nseqs) and len(req.tokens) <= o.max_num_batched_tokens:
+            hits = self._hits(req, entry)
+            start = len(hits) * self.ps
+            end = min(len(req.tokens), start + budget)
+            if end < len(req.tokens) and (out or nseqs) and len(req.tokens) - start <= o.max_num_batched_tokens:
                 break  # a prompt that fits a step of its own starts the next one, whole
-            kv, ad = self._need(entry, end, claimed)
+            kv, ad = self._need(entry, end, hits, claimed)
             fits = avail.fits(kv, ad)
             if not fits and not dry and (fcfs or urgent) and self.drop_pins():
                 avail = pool.budget()
-                kv, ad = self._need(entry, end, claimed)
+                kv, ad = self._need(entry, end, hits, claimed)
                 fits = avail.fits(kv, ad)
             if not fits:
                 if fcfs or urgent:
@@ -349,15 +367,21 @@ class Scheduler:
                 claimed.add(key)
             else:
                 req.adapter = entry
-                if not self.take_adapter(req):
-                    break
-                if not self.grow(req, end):
+                pool.share_kv(req.rid, hits)  # first: the loads below may evict idle cached pages
+                req.num_computed, req.pages_cached = start, len(hits)
+                if not self.take_adapter(req) or not self.grow(req, end):
                     self.release(req)
+                    req.num_computed = 0
                     break
+                if req.out.num_cached_tokens is None:  # a preempted request keeps its first count
+                    req.out.num_cached_tokens = start
+                if o.enable_prefix_caching:
+                    self.metrics.prefix_cache_queries.inc(len(req.tokens))
+                    self.metrics.prefix_cache_hits.inc(start)
                 avail = pool.budget()
             if key is not None:
                 batch.add(key)
-            budget -= end
+            budget -= end - start
             nseqs += 1
             running += 1
             out.append((req, entry, end))
@@ -386,7 +410,8 @@ class Scheduler:
                 chunks.append((req, req.num_computed, end))
                 budget -= end - req.num_computed
         if not stuck and self.waiting:
-            chunks += [(req, 0, end) for req, _, end in self._admissions(budget, len(chunks), False, finished)]
+            chunks += [(req, req.num_computed, end)  # num_computed: the tokens served from the cache
+                       for req, _, end in self._admissions(budget, len(chunks), False, finished)]
         return chunks
 
     def _schedule_decode(self) -> list[Request]:
@@ -480,7 +505,9 @@ class Scheduler:
             return False
 
     def release(self, req: Request) -> None:
+        self._cache_pages(req)
         self.pool.free_kv(req.rid)
+        req.pages_cached = 0
         if req.holds_adapter:
             self.pool.release_adapter(req.adapter.key)
             req.holds_adapter = False
@@ -494,68 +521,6 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preempted += 1
         self.metrics.requests_preempted.inc()
-
-    # -- prefetch ----------------------------------------------------------------------------
-
-    def prefetch(self, plan: Plan | None = None) -> list[tuple[object, list[int]]]:
-        """Pin the adapters of the predicted next admissions; returns the cold ones' (entry,
-        pages), which the caller fills while the current step (`plan`) runs. The prediction is
-        the admission walk, dry, as if the requests that `plan` surely finishes (max_tokens
-        reached) had left. Pins of adapters no longer predicted are dropped."""
-        if not self.config.prefetch_adapters:
-            return []
-        leaving = [r for r, _, end in (plan.chunks if plan else ()) if end == len(r.tokens)
-                   and r.generated + 1 >= r.params.max_tokens]
-        predicted = self._admissions(self.config.max_num_batched_tokens, 0, dry=True, leaving=leaving) \
-            if self.waiting else []
-        entries = list({e.key: e for _, e, _ in predicted if e is not None}.values())
-        want = {e.key for e in entries}
-        for key in [k for k in self._prefetched if k not in want]:
-            self._unpin(key)
-        for e in entries:  # first protect the resident ones from the loads below
-            if e.key in self._prefetched:
-                self._prefetched[e.key].step = self.steps
-            elif self.pool.is_idle(e.key):
-                self.pool.pin_adapter(e.key, e.layout.pages)
-                self._prefetched[e.key] = _Prefetched(e, self.steps)
-        headroom = len(self.running)  # the running batch's next decode step may take a page each
-        loads = []
-        for e in entries:
-            if len(loads) >= self.config.prefetch_adapters:
-                break
-            if self.pool.is_resident(e.key) or self.pool.is_doomed(e.key):
-                continue
-            if not self.pool.budget().fits(headroom, e.layout.pages):
-                break
-            pages, _ = self.pool.pin_adapter(e.key, e.layout.pages)
-            self._prefetched[e.key] = _Prefetched(e, self.steps)
-            self._prefetch_loaded.add(e.key)
-            loads.append((e, pages))
-            self.metrics.prefetch_issued.inc()
-        return loads
-
-    def _expire_pins(self) -> None:
-        """Drop stale pins (the adapter was re-registered or unloaded) and pins that two
-        schedules after their prefetch have not used."""
-        for key, p in list(self._prefetched.items()):
-            current = self.resolve(p.entry.name)
-            if current is None or current.key != key or self.steps > p.step + 1:
-                self._unpin(key)
-
-    def _unpin(self, key) -> None:
-        self._prefetched.pop(key)
-        self.pool.unpin_adapter(key)
-        if key in self._prefetch_loaded:
-            self.metrics.prefetch_dropped.inc()
-            if not self.pool.is_resident(key):
-                self._prefetch_loaded.discard(key)
-
-    def drop_pins(self) -> bool:
-        """Give back every prefetch pin (pages are short). True if there were any."""
-        keys = list(self._prefetched)
-        for key in keys:
-            self._unpin(key)
-        return bool(keys)
 
     def _append(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)

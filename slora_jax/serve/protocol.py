@@ -482,7 +482,9 @@ class Choice:
 def usage(choices: list[Choice]) -> dict:
     p = sum(len(c.handle.prompt) for c in choices)
     g = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+    cached = sum(c.handle.out.num_cached_tokens or 0 for c in choices if c.handle.out is not None)
+    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_logprobs(c: Choice, pieces: list[str], lps: list[float], offsets: list[int]) -> dict | None:
