@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-LORA_BACKENDS = ("auto", "xla", "pallas", "ranksplit")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+LORA_BACKENDS = ("auto", "xla", "pallas", "ranksplit", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_tpu")
 ADMISSION_ORDERS = ("fcfs", "affinity")
 BASELINE_KINDS = ("padded_slots", "separate")
 EVICTION_POLICIES = ("lru", "cost")

@@ -63,8 +63,8 @@ def _scores(q, k, scale):
                                preferred_element_type=jnp.float32) * scale
 
 
-def _check(pool_layer, head_dim: int):
-    if head_dim % _LANES:
+def _check(pool_layer, head_dim: int, interpret=False):
+    if head_dim % _LANES and not interpret:  # Mosaic's lane tile; interpret mode takes any width
         raise ValueError(f"head_dim {head_dim} must be a multiple of {_LANES}: each KV head is whole lane tiles")
     return pool_layer.shape[2]
 
@@ -153,7 +153,7 @@ def paged_decode_attention(q, k_new, v_new, pool_layer, page_table, ctx_lens, *,
     [pages, 2, page_size, KVH * d], page_table [S, P], ctx_lens [S] -> [S, H, d] in q's dtype."""
     bsz, nh, d = q.shape
     kvh = k_new.shape[1]
-    ps = _check(pool_layer, d)
+    ps = _check(pool_layer, d, interpret)
     per_block = min(blocks.pages_per_block, page_table.shape[1])
     nb = pl.cdiv(page_table.shape[1], per_block)
     kernel = functools.partial(_decode_kernel, kv_heads=kvh, group=nh // kvh, head_dim=d, page_size=ps,
@@ -244,7 +244,7 @@ def paged_prefill_attention(q, k, v, pool_layer, page_table, ctx_lens, seq_start
     -> [T, H, d] in q's dtype (zeros for padding tokens)."""
     t, nh, d = q.shape
     kvh = k.shape[1]
-    ps = _check(pool_layer, d)
+    ps = _check(pool_layer, d, interpret)
     p = page_table.shape[1]
     bq, bk = blocks.block_q, blocks.block_k
     if bq % bk:

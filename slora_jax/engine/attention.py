@@ -2,7 +2,8 @@
 
 `paged_attend(inp)` is the attention callback the model runs in every layer: decode steps take
 the Pallas paged decode kernel (pallas_kernels.paged_attention) under attention_backend
-"pallas", everything else `paged_attention_xla`, the plain-jnp reference beside it. Attention
+"pallas", the Mosaic TPU decode kernel (pallas_kernels.tpu.paged_attention) under
+"pallas_tpu", everything else `paged_attention_xla`, the plain-jnp reference beside it. Attention
 only reads the pool; `commit_kv` writes the step's K/V afterwards, in a jit of its own.
 
 `inp` is the step's StepInputs (slora_jax.engine.step).
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.tpu import interpret_mode
+from pallas_kernels.tpu import paged_attention as tpu_attention
 from slora_jax.model import llama as model
 from slora_jax.model import tp as tp_mod
 
@@ -97,6 +100,9 @@ def paged_attend(inp):
         pool, pending = state
         if inp.decode and inp.attention_backend == "pallas":
             o = paged_decode_attention(q, k, v, pool[layer], inp.page_table, inp.ctx_lens)
+        elif inp.decode and inp.attention_backend == "pallas_tpu":
+            o = tpu_attention.paged_decode_attention(q, k, v, pool[layer], inp.page_table, inp.ctx_lens,
+                                                     interpret=interpret_mode())
         else:  # packed prefill has no kernel: xla
             o = paged_attention_xla(q, k, v, pool[layer], inp)
         return o, (pool, pending + ((k, v),))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slora_jax.config import EngineConfig
+from slora_jax.lora.selection import tpu_unavailable
 from slora_jax.lora import LoraInputs, check_backend, plan as plan_lora, slot_bucket, step_backend
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
@@ -68,7 +69,9 @@ class LoraChoices:
         check_backend(config.lora_backend, platform)
         attention = config.attention_backend
         if attention == "auto":
-            attention = "pallas" if platform == "gpu" else "xla"
+            attention = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(platform, "xla")
+        elif attention == "pallas_tpu" and (reason := tpu_unavailable(platform)) is not None:
+            raise ValueError(f"attention_backend='pallas_tpu' {reason}; use 'auto', 'pallas' or 'xla'")
         return cls(lora_backend=config.lora_backend, attention_backend=attention,
                    max_lora_rank=config.max_lora_rank, platform=platform)
 

@@ -12,6 +12,9 @@ module's LoRA delta into the base projection's output y. Three backends:
   jax-triton; GPU only, imported lazily) for every module it takes, one launch a module; the
   others keep the Pallas pair. q, k and v go to the kernel together or not at all (the pair shrinks
   them in one launch).
+- TpuBackend ("pallas_tpu"): the Mosaic TPU pair (pallas_kernels.tpu.lora): one shrink and one
+  expand a module, work items built inside the jit from seg_starts; no host tables. Off a TPU it
+  runs only in TPU interpret mode (SLORA_TPU_INTERPRET=1, for tests; pallas_kernels.tpu).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import numpy as np
 from pallas_kernels.lora import (ExpandBlockSizes, ShrinkBlockSizes, block_schedule, gemv_shrink, lora_expand,
                                  lora_shrink_group, shrink_schedule)
 from pallas_kernels.lora_schedule import BLOCK_T
+from pallas_kernels.tpu import interpret_mode
+from pallas_kernels.tpu import lora as tpu_lora
 from slora_jax.lora.inputs import QKV, LoraInputs, qkv_group, shrink_launches, stack_qkv
 from slora_jax.lora.xla import lora_xla_expand, lora_xla_shrink
 
@@ -162,6 +167,27 @@ class RanksplitBackend(PallasBackend):
                                block_sizes=lora.ranksplit_sizes)
 
 
+class TpuBackend(LoraBackend):
+    name = "pallas_tpu"
+    DECODE_BLOCK_T = 16  # a decode step holds a token or two per adapter: the smallest bf16 block
+
+    def plan(self, *, t, token_slot, seg_starts, rows, ranks, decode, cfg, max_rank, dtype,
+             prefill_block_t=BLOCK_T):
+        block_t = self.DECODE_BLOCK_T if decode else tpu_lora.LoraBlocks().block_t
+        return LoraInputs(token_slot=token_slot, seg_starts=seg_starts, rows=rows, ranks=ranks, max_rank=max_rank,
+                          backend=self.name, block_t=block_t)
+
+    def apply(self, lora, pool_layer, module, key, x, y, fin, fout, *, reduce, cache):
+        rows = pool_layer.reshape(-1, pool_layer.shape[-1])
+        blocks, interpret = tpu_lora.LoraBlocks(block_t=lora.block_t), interpret_mode()
+        a_rows, b_rows = lora.rows[module]
+        ranks = lora.ranks[module]
+        xa = reduce(tpu_lora.lora_shrink(x, rows, a_rows, ranks, lora.seg_starts, max_rank=lora.max_rank,
+                                         blocks=blocks, interpret=interpret))
+        return tpu_lora.lora_expand(y, xa, rows, b_rows, ranks, lora.seg_starts, max_rank=lora.max_rank,
+                                    blocks=blocks, interpret=interpret)
+
+
 def ranksplit_tables(rows: dict, ranks: dict, seg_starts, t: int, cfg, max_rank: int, dtype, sizes) -> dict:
     """{"ranksplit:" + module: its unit table} for each module the kernel takes (its rows in whole
     chunks of the pool width, y of `dtype`). Tables are cached by their inputs (`_TABLES`)."""
@@ -194,11 +220,12 @@ def ranksplit_tables(rows: dict, ranks: dict, seg_starts, t: int, cfg, max_rank:
 _TABLES: collections.OrderedDict = collections.OrderedDict()
 _TABLES_KEPT = 64
 
-BACKENDS: dict[str, LoraBackend] = {"xla": XlaBackend(), "pallas": PallasBackend(), "ranksplit": RanksplitBackend()}
+BACKENDS: dict[str, LoraBackend] = {"xla": XlaBackend(), "pallas": PallasBackend(), "ranksplit": RanksplitBackend(),
+                                   "pallas_tpu": TpuBackend()}
 
 
 def get_backend(name: str) -> LoraBackend:
-    """The backend instance of a name ("xla", "pallas", "ranksplit")."""
+    """The backend instance of a name ("xla", "pallas", "ranksplit", "pallas_tpu")."""
     try:
         return BACKENDS[name]
     except KeyError:

@@ -10,9 +10,10 @@ Under lora_backend "auto" the choice is per step, from measured thresholds kept 
   imports;
 - decode above, and every prefill step: "pallas" (the segment pair: its empty slots cost nothing,
   and each token meets only its own adapter);
-- off the GPU: "xla" (Pallas runs there only in interpret mode, for tests).
+- on a TPU: "pallas_tpu" (the Mosaic pair, pallas_kernels.tpu) for every step;
+- elsewhere: "xla" (Pallas runs there only in interpret mode, for tests).
 
-An explicit "xla" / "pallas" / "ranksplit" forces the backend of every decode step; "ranksplit" is a
+An explicit "xla" / "pallas" / "ranksplit" / "pallas_tpu" forces the backend of every decode step; "ranksplit" is a
 decode kernel, so prefill steps under it take "pallas".
 """
 
@@ -23,7 +24,7 @@ GPU_THRESHOLDS = dict(
     onehot_slots=(8, 32),        # ... within these slot counts (powers of two)
     ranksplit_slots=(16, 64),    # the rank-split kernel's decode slot buckets
 )
-FORCED = ("xla", "pallas", "ranksplit")
+FORCED = ("xla", "pallas", "ranksplit", "pallas_tpu")
 
 
 def _pow2(n: int) -> int:
@@ -52,6 +53,8 @@ def select(decode: bool, slots: int, tokens: int, max_rank: int, platform: str,
     """The "auto" backend of a step of `tokens` rows over `slots` slots (its slot bucket).
     ranksplit_ok: whether the rank-split kernel may run (None: where jax-triton imports)."""
     del tokens  # the thresholds are per slot bucket; a step's rows set its tables' sizes only
+    if platform == "tpu":
+        return "pallas_tpu"
     if platform != "gpu":
         return "xla"
     if not decode:
@@ -67,8 +70,18 @@ def select(decode: bool, slots: int, tokens: int, max_rank: int, platform: str,
     return "pallas"
 
 
+def tpu_unavailable(platform: str) -> str | None:
+    """Why the TPU kernels cannot run here, or None: they need a TPU, or TPU interpret mode
+    (SLORA_TPU_INTERPRET=1, pallas_kernels.tpu) on any other backend."""
+    from pallas_kernels.tpu import INTERPRET_ENV, interpret_mode
+    if platform == "tpu" or interpret_mode():
+        return None
+    return f"needs a TPU (this backend is {platform!r}; {INTERPRET_ENV}=1 runs the kernels in TPU interpret mode)"
+
+
 def check_backend(option: str, platform: str) -> None:
-    """Refuse an option the platform cannot run: "ranksplit" needs a GPU with jax-triton."""
+    """Refuse an option the platform cannot run: "ranksplit" needs a GPU with jax-triton,
+    "pallas_tpu" a TPU (or TPU interpret mode)."""
     if option not in ("auto", *FORCED):
         raise ValueError(f"lora_backend must be one of 'auto', {', '.join(map(repr, FORCED))}, got {option!r}")
     if option == "ranksplit":
@@ -76,6 +89,8 @@ def check_backend(option: str, platform: str) -> None:
         if reason is not None:
             raise ValueError(f"lora_backend='ranksplit' {reason} (the kernel is Triton, through jax-triton); "
                              "use 'auto', 'pallas' or 'xla'")
+    if option == "pallas_tpu" and (reason := tpu_unavailable(platform)) is not None:
+        raise ValueError(f"lora_backend='pallas_tpu' {reason}; use 'auto', 'pallas' or 'xla'")
 
 
 def step_backend(option: str, decode: bool, slots: int, tokens: int, max_rank: int, platform: str,
@@ -100,7 +115,7 @@ def slot_bucket(n: int, rows: int, *, decode: bool, option: str, max_rank: int, 
     kernels skip empty slots, so prefill under them keeps one bucket of at least prefill_slots."""
     if decode and option == "auto" and platform == "gpu" and n > hybrid_slots(max_rank):
         return _pow2(rows)
-    prefill_xla = option == "xla" or (option == "auto" and platform != "gpu")
+    prefill_xla = option == "xla" or (option == "auto" and platform not in ("gpu", "tpu"))
     if decode or prefill_xla:
         return min(_pow2(rows), max(8, _pow2(n)))
     return _pow2(max(n, prefill_slots))
