@@ -14,12 +14,15 @@ extensions top_k, stop_token_ids, ignore_eos, return_token_ids (adds `token_ids`
 `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
 when its first token cannot come in time). Only the sampled token's logprob is computed, so a
 `top_logprobs` list holds that one token. Penalties, logit_bias, echo, best_of > 1, suffix and tools
-are refused with 400 rather than silently ignored.
+are refused with 400 rather than silently ignored, and so is every other field of vLLM's
+CompletionRequest and ChatCompletionRequest set to anything but its "off" value (REFUSED_FIELDS;
+docs/openai-api.md has the table). Fields vLLM does not know either are logged and ignored.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -42,6 +45,59 @@ INT32_MAX = 2**31 - 1        # top_k reaches the device as int32
 SEED_RANGE = (-(2**63), 2**63 - 1)
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,255}$")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+log = logging.getLogger(__name__)
+
+# Fields of vLLM's CompletionRequest / ChatCompletionRequest that this server reads (or that carry
+# no effect on the output: `user`, `request_id`).
+SUPPORTED_FIELDS = {
+    "completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "stop_token_ids", "ignore_eos", "logprobs", "stream", "stream_options", "n", "best_of",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
+                    "suffix", "user", "request_id", "return_token_ids", "ttft_slo"},
+    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream",
+             "stream_options", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias", "echo", "tools", "user", "request_id", "return_token_ids", "ttft_slo"},
+}
+
+# vLLM's fields that this server does not implement, each with the values that mean "off" (the
+# value vLLM defaults to, or null): any other value is a 400 naming the field, never ignored.
+_COMMON_REFUSED = {
+    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
+    "bad_words": ([],), "prompt_logprobs": (), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "structured_outputs": (), "priority": (0,), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
+}
+REFUSED_FIELDS = {
+    "completions": {**_COMMON_REFUSED, "add_special_tokens": (True,)},
+    "chat": {**_COMMON_REFUSED, "add_special_tokens": (False,), "add_generation_prompt": (True,),
+             "continue_final_message": (False,), "documents": (), "chat_template": (),
+             "chat_template_kwargs": ({},), "mm_processor_kwargs": (), "tool_choice": ("none",),
+             "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
+             "reasoning_effort": (), "include_reasoning": (True,)},
+}
+
+
+def refuse_unimplemented(body: dict, chat: bool) -> None:
+    """A 400 naming the first field vLLM accepts and this server does not implement, when it is
+    set to anything but its "off" value; other unknown fields are logged and ignored, as vLLM does."""
+    kind = "chat" if chat else "completions"
+    refused = REFUSED_FIELDS[kind]
+    for name, v in body.items():
+        if name in SUPPORTED_FIELDS[kind]:
+            continue
+        if name in refused:
+            if v is not None and not any(type(v) is type(off) and v == off for off in refused[name]):
+                raise bad(f"{name} is not supported by this server (allowed: "
+                          f"{', '.join([json.dumps(o) for o in refused[name]] + ['null'])})",
+                          name, "unsupported_parameter")
+        else:
+            log.warning("ignoring unknown field %r in a %s request", name, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +295,7 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
     """SamplingParams for every prompt of the request, and the server-side extras (stop strings,
     logprobs wanted, stream, include_usage, return_token_ids)."""
     refuse_unsupported(body)
+    refuse_unimplemented(body, chat)
     if chat:
         mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     else:
