@@ -1,4 +1,6 @@
-"""Every field of vLLM's CompletionRequest and ChatCompletionRequest that this server does not
+"""Fields of vLLM's CompletionRequest and ChatCompletionRequest through the official `openai`
+client on a live server. Supported ones (include_stop_str_in_output, skip_special_tokens) are
+checked against LLM.generate on the server's own LLM. Every field that this server does not
 implement, sent through the official `openai` client to a live server: set to its "off" value it is
 accepted and changes nothing (the output equals the same request without it); set to anything else
 it gets a 400 whose `param` names it. The refused fields and their off values are
@@ -12,13 +14,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from slora_jax import SamplingParams  # noqa: E402
 from slora_jax.serve.protocol import REFUSED_FIELDS, SUPPORTED_FIELDS  # noqa: E402
 from tests.test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noqa: E402
 
 # One value per refused field that is not its off value.
 ON = {
     "min_p": 0.1, "min_tokens": 2, "use_beam_search": True, "length_penalty": 0.5,
-    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 5, "allowed_token_ids": [5, 6], "bad_words": ["ab"], "prompt_logprobs": 1,
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
@@ -35,11 +38,43 @@ ON_SPECIAL = {"completions": False, "chat": True}
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def live(tmp_path_factory):
     model_dir, paths = demo_dir(tmp_path_factory)
-    st, _ = start_server(model_dir, {ADAPTERS[0]: paths[ADAPTERS[0]]})
-    yield openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    st, srv = start_server(model_dir, {ADAPTERS[0]: paths[ADAPTERS[0]]})
+    yield openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0, timeout=120), srv
     st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live[0]
+
+
+def _reference(srv, prompt, **sp):
+    """LLM.generate on the server's LLM, between engine steps, for the same greedy request."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, **sp)
+    return srv.engine.call_sync(lambda: srv.llm.generate(prompt, params, adapter=ADAPTERS[0]))[0]
+
+
+def test_stop_string_kept_and_special_tokens_as_llm_generate(live):
+    client, srv = live
+    for i in range(10):
+        plain = _reference(srv, text(i))
+        stop = next((ch for j, ch in enumerate(plain.text[:-1]) if j and ch.isascii() and ch.isprintable()), None)
+        if stop is not None:
+            break
+    else:
+        pytest.fail("no prompt gave a printable character to stop on")
+    for keep in (False, True):
+        want = _reference(srv, text(i), stop=[stop], include_stop_str_in_output=keep)
+        got = client.completions.create(model=ADAPTERS[0], prompt=text(i), max_tokens=12, temperature=0, stop=[stop],
+                                        extra_body={"include_stop_str_in_output": keep})
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "stop"), keep
+        assert got.choices[0].text.endswith(stop) == keep
+    want = _reference(srv, text(i), skip_special_tokens=False)
+    got = client.completions.create(model=ADAPTERS[0], prompt=text(i), max_tokens=12, temperature=0,
+                                    extra_body={"skip_special_tokens": False})
+    assert got.choices[0].text == want.text
 
 
 def _send(client, kind, extra):

@@ -157,7 +157,8 @@ class Server:
         try:
             for i, p in enumerate(prompts):
                 h = self.engine.submit(p, sp, adapter, sp.seed, queue=q, index=i)
-                choices.append(Choice(i, h, self.llm.tokenizer, extras["stop"], extras["logprobs"]))
+                choices.append(Choice(i, h, self.llm.tokenizer, extras["stop"], extras["logprobs"],
+                                      extras["include_stop_str_in_output"], extras["skip_special_tokens"]))
         except EngineError as e:
             for c in choices:
                 self.engine.release(c.handle)

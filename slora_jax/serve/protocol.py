@@ -10,7 +10,8 @@ others. Messages built from exceptions go through `hide_paths`: no server path l
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
 stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
-extensions top_k, stop_token_ids, ignore_eos, return_token_ids (adds `token_ids` and
+extensions top_k, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
+return_token_ids (adds `token_ids` and
 `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
 when its first token cannot come in time). Only the sampled token's logprob is computed, so a
 `top_logprobs` list holds that one token. Penalties, logit_bias, echo, best_of > 1, suffix and tools
@@ -54,18 +55,19 @@ SUPPORTED_FIELDS = {
     "completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                     "stop_token_ids", "ignore_eos", "logprobs", "stream", "stream_options", "n", "best_of",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
-                    "suffix", "user", "request_id", "return_token_ids", "ttft_slo"},
+                    "suffix", "user", "request_id", "return_token_ids", "ttft_slo",
+                    "include_stop_str_in_output", "skip_special_tokens"},
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
              "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream",
              "stream_options", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "logit_bias", "echo", "tools", "user", "request_id", "return_token_ids", "ttft_slo"},
+             "logit_bias", "echo", "tools", "user", "request_id", "return_token_ids", "ttft_slo",
+             "include_stop_str_in_output", "skip_special_tokens"},
 }
 
 # vLLM's fields that this server does not implement, each with the values that mean "off" (the
 # value vLLM defaults to, or null): any other value is a 400 naming the field, never ignored.
 _COMMON_REFUSED = {
     "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
     "bad_words": ([],), "prompt_logprobs": (), "response_format": ({"type": "text"},),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -359,7 +361,9 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None
     return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage,
-                    return_token_ids=get_bool(body, "return_token_ids"))
+                    return_token_ids=get_bool(body, "return_token_ids"),
+                    include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+                    skip_special_tokens=get_bool(body, "skip_special_tokens", True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,8 +487,10 @@ def message_chars(messages: list[dict]) -> int:
 class Choice:
     """One prompt of a request: the tokens generated, and the text sent so far."""
 
-    def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None):
+    def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.index, self.handle, self.tok, self.stop = index, handle, tokenizer, stop
+        self.keep_stop, self.skip_special = include_stop_str_in_output, skip_special_tokens
         self.want_lp = logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -513,13 +519,14 @@ class Choice:
         if self.tok is not None:
             # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown.
             shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
-            full = self.tok.decode(shown)
+            full = self.tok.decode(shown, self.skip_special)
             end = len(full)
             if self.stop:
                 hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, t0 - len(s)))) >= 0),
                           default=None)
                 if hit is not None:
-                    full, end = full[:hit[0]], hit[0]
+                    end = hit[0] + len(hit[1]) if self.keep_stop else hit[0]
+                    full = full[:end]
                     self.finish_reason, finished = "stop", True
             if not finished:
                 while end > t0 and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
