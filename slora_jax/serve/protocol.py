@@ -9,7 +9,8 @@ number that reaches the device is range-checked, so one request can never fail a
 others. Messages built from exceptions go through `hide_paths`: no server path leaves the server.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
-stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
+stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n (completion j of
+a prompt sampled with seed + j, as SamplingParams.n in LLM.generate), and vLLM's
 extensions top_k, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
 return_token_ids (adds `token_ids` and
 `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
@@ -36,7 +37,8 @@ from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024        # the longest stop string
 MAX_STOP_TOKEN_IDS = 64
-MAX_BATCH_PROMPTS = 256
+MAX_BATCH_PROMPTS = 256     # prompts times n
+MAX_N = 16
 MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 16 << 20
 MAX_JSON_DEPTH = 32          # nesting of objects and lists in a request body
@@ -260,9 +262,6 @@ def refuse_unsupported(body: dict) -> None:
             raise bad(f"{what} not supported", name, "unsupported_parameter")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of is not supported (only 1)", "best_of", "unsupported_parameter")
-    n = get_int(body, "n", 1, None, 1)
-    if n != 1:
-        raise bad(f"n={n} is not supported (only 1)", "n", "unsupported_parameter")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +348,9 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         lp = (top_lp or 0) if want_lp else None
     else:
         lp = get_int(body, "logprobs", 0, 5)
+    n = get_int(body, "n", 1, MAX_N, 1)
+    if n * len(prompt_lens) > MAX_BATCH_PROMPTS:
+        raise bad(f"{len(prompt_lens)} prompts times n={n} is over {MAX_BATCH_PROMPTS} completions per request", "n")
     stream = get_bool(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -360,7 +362,7 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
                             **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None
-    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage,
+    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage, n=n,
                     return_token_ids=get_bool(body, "return_token_ids"),
                     include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
                     skip_special_tokens=get_bool(body, "skip_special_tokens", True))
@@ -491,6 +493,7 @@ class Choice:
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.index, self.handle, self.tok, self.stop = index, handle, tokenizer, stop
         self.keep_stop, self.skip_special = include_stop_str_in_output, skip_special_tokens
+        self.first_of_prompt = True  # False for a prompt's 2nd..n-th completion: usage counts a prompt once
         self.want_lp = logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -541,7 +544,7 @@ class Choice:
 
 
 def usage(choices: list[Choice]) -> dict:
-    p = sum(len(c.handle.prompt) for c in choices)
+    p = sum(len(c.handle.prompt) for c in choices if c.first_of_prompt)
     g = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
