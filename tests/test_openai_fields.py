@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 
 from slora_jax import SamplingParams  # noqa: E402
 from slora_jax.serve.protocol import REFUSED_FIELDS, SUPPORTED_FIELDS  # noqa: E402
-from tests.test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noqa: E402
+from test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noqa: E402
 
 # One value per refused field that is not its off value.
 ON = {
