@@ -3,7 +3,9 @@
 The tiny model gets dummy weights, written out as a Hugging Face directory with a byte-level
 tokenizer, and a few dozen generated PEFT adapters of mixed ranks and targets. One mixed batch
 (adapters of every rank plus base-model rows) goes through the paged engine over a pool too small
-to keep every adapter resident, so adapters are paged in and evicted as the batch runs.
+to keep every adapter resident, so adapters are paged in and evicted as the batch runs. First, one
+prompt goes to the base model and three adapters in one batch, to show that each adapter changes
+the output. Adapters are named with vLLM's `LoRARequest`; results are read from `outputs[0]`.
 
 The model and each adapter are written to a temporary directory and renamed into place
 (`build_into`), so a kill during the first start never leaves a cache that later starts trip on.
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from slora_jax import LLM, SamplingParams
+    from slora_jax import LLM, LoRARequest, SamplingParams
 
     model_dir, adapter_dirs = prepare(Path(args.workdir), args.adapters, args.seed)
     t0 = time.perf_counter()
@@ -109,14 +111,23 @@ def main(argv: list[str] | None = None) -> None:
         prompts.append(" ".join(rng.choice(words, size=int(rng.integers(2, 12)))))
         chosen.append(None if i % 6 == 0 else names[int(rng.integers(len(names)))])
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapter_dirs.items())}
 
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, adapter=chosen)
+    outs = llm.generate(prompts, sp, lora_request=[loras[a] if a else None for a in chosen])
     t_gen = time.perf_counter() - t0
 
-    for p, a, o in list(zip(prompts, chosen, outs))[:8]:
-        print(f"[{a or 'base':>12}] {p!r} -> {o.text!r} {o.token_ids[:6]}... ({len(o.token_ids)} tokens, {o.finish_reason})")
-    print(f"... {len(outs) - 8} more\n")
+    print("one prompt, one batch, a different adapter per row (dummy weights: the tokens are noise;")
+    print("what shows is that each adapter turns the same prompt into different tokens)")
+    same, picked = prompts[0], [None, *names[:3]]
+    for a, o in zip(picked, llm.generate([same] * len(picked), sp,
+                                         lora_request=[loras[a] if a else None for a in picked])):
+        print(f"  {a or 'base model':>12}  {same!r} -> tokens {o.outputs[0].token_ids[:8]} ...")
+    print(f"\nthe mixed batch: {len(outs)} requests over {len({a for a in chosen if a})} adapters, first rows:")
+    for p, a, o in list(zip(prompts, chosen, outs))[:4]:
+        c = o.outputs[0]
+        print(f"  {a or 'base model':>12}  {p!r} -> {len(c.token_ids)} tokens {c.token_ids[:6]} ... ({c.finish_reason})")
+    print()
     stats = llm.stats()
     n_tok = sum(len(o.token_ids) for o in outs)
     print("summary")

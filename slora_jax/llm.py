@@ -1,4 +1,5 @@
-"""The public Python API: `LLM(model, adapters=..., dtype=...)` and `generate`."""
+"""The public Python API: `LLM(model, adapters=..., dtype=...)`, `generate` and `chat`, called as
+vLLM's are (`lora_request=LoRARequest(...)`, results in `RequestOutput.outputs`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from slora_jax.model import quant, tp
 from slora_jax.model.config import load_model_config
 from slora_jax.model.tokenizer import load_tokenizer
 from slora_jax.model.weights import load_params
-from slora_jax.request import RequestOutput
+from slora_jax.request import LoRARequest, RequestOutput
 from slora_jax.sampling import SamplingParams
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -114,29 +115,111 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapter: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+                 adapter: str | None | Sequence[str | None] = None, *,
+                 lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt and per completion: with SamplingParams.n > 1, a prompt's
+        n completions come as n consecutive outputs sharing its request_id prefix.
+        lora_request: vLLM's way to name an adapter (registered here on first use); adapter: a
+        registered adapter's name. Give one of the two."""
+        if lora_request is not None:
+            if adapter is not None:
+                raise ValueError("give adapter= or lora_request=, not both")
+            adapter = self._adapters_of(lora_request)
+        texts = [prompts] if isinstance(prompts, str) else \
+            [p if isinstance(p, str) else None for p in prompts] if prompts and not \
+            isinstance(prompts[0], (int, np.integer)) else [None]
         token_prompts, adapters = self._prepare(prompts, adapter)
         params = self._per_row(sampling_params or SamplingParams(), len(token_prompts), "sampling_params")
+        loras = self._per_row(lora_request, len(token_prompts), "lora_request")
         for toks, p in zip(token_prompts, params):
             if len(toks) + p.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt of {len(toks)} tokens + max_tokens={p.max_tokens} exceeds "
                                  f"max_model_len={self.max_model_len}")
-        seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
+        rows = [(t, p, a, text, lr, (p.seed + i) if p.seed is not None else int(self._rng.integers(2**31)))
+                for t, p, a, text, lr in zip(token_prompts, params, adapters, texts, loras) for i in range(p.n)]
         outs = []
         try:
-            for t, p, a, s in zip(token_prompts, params, adapters, seeds):
-                outs.append(self.engine.add_request(t, p, a, s, self.cfg.eos_token_ids))
+            for t, p, a, text, lr, seed in rows:
+                out = self.engine.add_request(t, p, a, seed, self.cfg.eos_token_ids)
+                out.prompt, out.lora_request = text, lr
+                outs.append(out)
         except ValueError:
             for out in outs:  # all or nothing
                 self.engine.abort(out.request_id)
             raise
+        pending = [(out, row[1]) for out, row in zip(outs, rows) if row[1].stop and self.tokenizer is not None]
         while self.engine.has_unfinished():
             self.engine.step()
-        for out in outs:
-            if self.tokenizer is not None:
+            pending = [(o, p) for o, p in pending if not self._stop_string(o, p)]
+        for out, (_, p, *_rest) in zip(outs, rows):
+            if out.stop_reason is None and out.finish_reason == "stop" and out.token_ids \
+                    and out.token_ids[-1] in (p.stop_token_ids or ()):
+                out.stop_reason = out.token_ids[-1]
+            if self.tokenizer is not None and not isinstance(out.stop_reason, str):
                 shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-                out.text = self.tokenizer.decode(shown)
+                out.text = self.tokenizer.decode(shown, p.skip_special_tokens)
         return outs
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
+             adapter: str | None | Sequence[str | None] = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """generate() on conversations: each a list of {"role", "content"} messages, rendered with
+        the model's chat template (or `chat_template`, a jinja source) as the server renders them."""
+        from slora_jax.serve.chat import ChatFormatter
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer.json in the model directory")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conv in convs:
+            if not conv or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in conv):
+                raise ValueError("each conversation must be a non-empty list of "
+                                 "{'role': str, 'content': str} messages")
+        fmt = ChatFormatter(self.model, self.tokenizer)
+        if chat_template is not None:
+            fmt.template = fmt.compile_template(chat_template)
+            if fmt._raw is None:
+                from tokenizers import Tokenizer as HFTokenizer
+                fmt._raw = HFTokenizer.from_file(str(Path(self.model) / "tokenizer.json"))
+        return self.generate([fmt.encode(list(conv)) for conv in convs], sampling_params, adapter,
+                             lora_request=lora_request)
+
+    def _stop_string(self, out: RequestOutput, p: SamplingParams) -> bool:
+        """Whether `out` is done as far as stop strings go; ends it at the first one found."""
+        if out.finished:
+            return True
+        text = self.tokenizer.decode(out.token_ids, p.skip_special_tokens)
+        hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return False
+        i, hit = min(hits)
+        self.engine.abort(out.request_id, "stop string")
+        out.finish_reason, out.abort_reason, out.stop_reason = "stop", None, hit
+        out.text = text[:i + len(hit)] if p.include_stop_str_in_output else text[:i]
+        return True
+
+    def _adapters_of(self, lora_request) -> list[str | None] | str | None:
+        """Adapter names for LoRARequests, registering each on its first use (or when its path
+        changes)."""
+        reqs = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+        new = {}
+        for lr in reqs:
+            if lr is None:
+                continue
+            if not isinstance(lr, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lr).__name__}")
+            entry = self.store.entries.get(lr.lora_name)
+            if entry is None or (lr.lora_path and Path(entry.path).resolve() != Path(lr.lora_path).resolve()):
+                if not lr.lora_path:
+                    raise ValueError(f"adapter {lr.lora_name!r} is not registered and its LoRARequest has no lora_path")
+                if new.get(lr.lora_name, lr.lora_path) != lr.lora_path:
+                    raise ValueError(f"adapter {lr.lora_name!r} is given two paths in one call")
+                new[lr.lora_name] = lr.lora_path
+        if new:
+            self.load_adapters(new)
+        names = [lr.lora_name if lr is not None else None for lr in reqs]
+        return names if isinstance(lora_request, (list, tuple)) else names[0]
 
     def prompt_logits(self, prompts, adapter=None) -> list[np.ndarray]:
         """Logits [T_i, vocab] (float32) at every prompt position, all rows in one mixed batch."""

@@ -1,5 +1,6 @@
-"""What a request carries in (`Request`: its tokens, adapter and progress, the scheduler's unit),
-what one step runs (`Plan`), and what comes back out (`RequestOutput`)."""
+"""What a request carries in (`Request`: its tokens, adapter and progress, the scheduler's unit;
+`LoRARequest`: which adapter, as vLLM names it), what one step runs (`Plan`), and what comes back
+out (`RequestOutput`, whose `outputs[0]` is a `CompletionOutput`, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,46 @@ from slora_jax.sampling import SamplingParams
 _ids = itertools.count()
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """An adapter as vLLM's `LoRARequest` names it: `lora_name` is the name requests use,
+    `lora_int_id` a positive integer id, `lora_path` the PEFT directory. `LLM.generate` registers
+    the adapter on its first use and again when the same name comes with another path."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        object.__setattr__(self, "lora_path", str(self.lora_path))
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's `CompletionOutput`). `logprobs` holds the
+    sampled token's logprob per position (None unless SamplingParams.logprobs is set);
+    `stop_reason` is the stop token id or stop string that ended it (None: EOS or the length)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[float] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclasses.dataclass
 class RequestOutput:
+    """A request's result. The engine fills the flat fields (`token_ids`, `logprobs`, `text`,
+    `finish_reason`) as tokens arrive; `outputs` presents them as vLLM's list of one
+    CompletionOutput, whose lists are the same objects as the flat ones."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -23,10 +62,19 @@ class RequestOutput:
     error_code: str | None = None     # finish_reason "error": why, as an OpenAI error code
     adapter: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
+    prompt: str | None = None             # the prompt text, when it was given as text
+    stop_reason: int | str | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        lps = self.logprobs
+        return [CompletionOutput(0, self.text or "", self.token_ids, float(sum(lps)) if lps is not None else None,
+                                 lps, self.finish_reason, self.stop_reason)]
 
 
 def new_request_id() -> str:

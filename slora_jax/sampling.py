@@ -11,6 +11,14 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """vLLM's SamplingParams fields, with vLLM's meanings, for those implemented here.
+
+    n: completions per prompt, each sampled with its own seed (seed + i when seed is set).
+    stop: strings that end a completion; the text stops before the string unless
+    include_stop_str_in_output. Checked on the host after every step (LLM.generate).
+    skip_special_tokens: leave special tokens out of `text`.
+    """
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -19,6 +27,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     logprobs: bool = False
     ignore_eos: bool = False
+    stop: str | tuple[str, ...] | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ttft_slo: float | None = None  # seconds; None: the engine default
 
     def __post_init__(self):
@@ -33,6 +44,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.n, (int, np.integer)) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.stop is not None:
+            stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            if not all(isinstance(x, str) and x for x in stops):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            object.__setattr__(self, "stop", stops)
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

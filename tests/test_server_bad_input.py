@@ -112,7 +112,7 @@ COMPLETION_CASES = [  # (id, body changes, status, message, param)
     ("top-p-big", {"top_p": 1.5}, 400, "top_p must be in (0, 1]", "top_p"),
     ("top-k-negative", {"top_k": -5}, 400, "top_k must be >= -1", "top_k"),
     ("seed-string", {"seed": "x"}, 400, "seed must be an integer", "seed"),
-    ("n-two", {"n": 2}, 400, "n=2 is not supported", "n"),
+    ("n-zero", {"n": 0}, 400, "n must be >= 1", "n"),
     ("stream-string", {"stream": "yes"}, 400, "stream must be true or false", "stream"),
     ("stop-int", {"stop": 5}, 400, "stop must be", "stop"),
     ("logprobs-big", {"logprobs": 9}, 400, "logprobs must be <= 5", "logprobs"),

@@ -156,9 +156,15 @@ class Server:
         q: asyncio.Queue = asyncio.Queue()
         choices = []
         try:
+            n = extras["n"]
             for i, p in enumerate(prompts):
-                h = self.engine.submit(p, sp, adapter, sp.seed, queue=q, index=i)
-                choices.append(Choice(i, h, self.llm.tokenizer, extras["stop"], extras["logprobs"]))
+                for j in range(n):  # completion j of a prompt: seed + j, as LLM.generate's n
+                    seed = None if sp.seed is None else (sp.seed + j + 2**63) % 2**64 - 2**63
+                    h = self.engine.submit(p, sp, adapter, seed, queue=q, index=i * n + j)
+                    c = Choice(i * n + j, h, self.llm.tokenizer, extras["stop"], extras["logprobs"],
+                               extras["include_stop_str_in_output"], extras["skip_special_tokens"])
+                    c.first_of_prompt = j == 0
+                    choices.append(c)
         except EngineError as e:
             for c in choices:
                 self.engine.release(c.handle)

@@ -9,17 +9,22 @@ number that reaches the device is range-checked, so one request can never fail a
 others. Messages built from exceptions go through `hide_paths`: no server path leaves the server.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
-stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n=1, and vLLM's
-extensions top_k, stop_token_ids, ignore_eos, return_token_ids (adds `token_ids` and
+stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n (completion j of
+a prompt sampled with seed + j, as SamplingParams.n in LLM.generate), and vLLM's
+extensions top_k, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
+return_token_ids (adds `token_ids` and
 `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
 when its first token cannot come in time). Only the sampled token's logprob is computed, so a
 `top_logprobs` list holds that one token. Penalties, logit_bias, echo, best_of > 1, suffix and tools
-are refused with 400 rather than silently ignored.
+are refused with 400 rather than silently ignored, and so is every other field of vLLM's
+CompletionRequest and ChatCompletionRequest set to anything but its "off" value (REFUSED_FIELDS;
+docs/openai-api.md has the table). Fields vLLM does not know either are logged and ignored.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -32,7 +37,8 @@ from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024        # the longest stop string
 MAX_STOP_TOKEN_IDS = 64
-MAX_BATCH_PROMPTS = 256
+MAX_BATCH_PROMPTS = 256     # prompts times n
+MAX_N = 16
 MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 16 << 20
 MAX_JSON_DEPTH = 32          # nesting of objects and lists in a request body
@@ -42,6 +48,60 @@ INT32_MAX = 2**31 - 1        # top_k reaches the device as int32
 SEED_RANGE = (-(2**63), 2**63 - 1)
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,255}$")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+log = logging.getLogger(__name__)
+
+# Fields of vLLM's CompletionRequest / ChatCompletionRequest that this server reads (or that carry
+# no effect on the output: `user`, `request_id`).
+SUPPORTED_FIELDS = {
+    "completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "stop_token_ids", "ignore_eos", "logprobs", "stream", "stream_options", "n", "best_of",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
+                    "suffix", "user", "request_id", "return_token_ids", "ttft_slo",
+                    "include_stop_str_in_output", "skip_special_tokens"},
+    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream",
+             "stream_options", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias", "echo", "tools", "user", "request_id", "return_token_ids", "ttft_slo",
+             "include_stop_str_in_output", "skip_special_tokens"},
+}
+
+# vLLM's fields that this server does not implement, each with the values that mean "off" (the
+# value vLLM defaults to, or null): any other value is a 400 naming the field, never ignored.
+_COMMON_REFUSED = {
+    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
+    "bad_words": ([],), "prompt_logprobs": (), "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "structured_outputs": (), "priority": (0,), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
+}
+REFUSED_FIELDS = {
+    "completions": {**_COMMON_REFUSED, "add_special_tokens": (True,)},
+    "chat": {**_COMMON_REFUSED, "add_special_tokens": (False,), "add_generation_prompt": (True,),
+             "continue_final_message": (False,), "documents": (), "chat_template": (),
+             "chat_template_kwargs": ({},), "mm_processor_kwargs": (), "tool_choice": ("none",),
+             "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
+             "reasoning_effort": (), "include_reasoning": (True,)},
+}
+
+
+def refuse_unimplemented(body: dict, chat: bool) -> None:
+    """A 400 naming the first field vLLM accepts and this server does not implement, when it is
+    set to anything but its "off" value; other unknown fields are logged and ignored, as vLLM does."""
+    kind = "chat" if chat else "completions"
+    refused = REFUSED_FIELDS[kind]
+    for name, v in body.items():
+        if name in SUPPORTED_FIELDS[kind]:
+            continue
+        if name in refused:
+            if v is not None and not any(type(v) is type(off) and v == off for off in refused[name]):
+                raise bad(f"{name} is not supported by this server (allowed: "
+                          f"{', '.join([json.dumps(o) for o in refused[name]] + ['null'])})",
+                          name, "unsupported_parameter")
+        else:
+            log.warning("ignoring unknown field %r in a %s request", name, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,9 +262,6 @@ def refuse_unsupported(body: dict) -> None:
             raise bad(f"{what} not supported", name, "unsupported_parameter")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of is not supported (only 1)", "best_of", "unsupported_parameter")
-    n = get_int(body, "n", 1, None, 1)
-    if n != 1:
-        raise bad(f"n={n} is not supported (only 1)", "n", "unsupported_parameter")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +296,7 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
     """SamplingParams for every prompt of the request, and the server-side extras (stop strings,
     logprobs wanted, stream, include_usage, return_token_ids)."""
     refuse_unsupported(body)
+    refuse_unimplemented(body, chat)
     if chat:
         mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     else:
@@ -290,6 +348,9 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         lp = (top_lp or 0) if want_lp else None
     else:
         lp = get_int(body, "logprobs", 0, 5)
+    n = get_int(body, "n", 1, MAX_N, 1)
+    if n * len(prompt_lens) > MAX_BATCH_PROMPTS:
+        raise bad(f"{len(prompt_lens)} prompts times n={n} is over {MAX_BATCH_PROMPTS} completions per request", "n")
     stream = get_bool(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -301,8 +362,10 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
                             **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None
-    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage,
-                    return_token_ids=get_bool(body, "return_token_ids"))
+    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage, n=n,
+                    return_token_ids=get_bool(body, "return_token_ids"),
+                    include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+                    skip_special_tokens=get_bool(body, "skip_special_tokens", True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +489,11 @@ def message_chars(messages: list[dict]) -> int:
 class Choice:
     """One prompt of a request: the tokens generated, and the text sent so far."""
 
-    def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None):
+    def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.index, self.handle, self.tok, self.stop = index, handle, tokenizer, stop
+        self.keep_stop, self.skip_special = include_stop_str_in_output, skip_special_tokens
+        self.first_of_prompt = True  # False for a prompt's 2nd..n-th completion: usage counts a prompt once
         self.want_lp = logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -459,13 +525,14 @@ class Choice:
         if self.tok is not None:
             # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown.
             shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
-            full = self.tok.decode(shown)
+            full = self.tok.decode(shown, self.skip_special)
             end = len(full)
             if self.stop:
                 hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, t0 - len(s)))) >= 0),
                           default=None)
                 if hit is not None:
-                    full, end = full[:hit[0]], hit[0]
+                    end = hit[0] + len(hit[1]) if self.keep_stop else hit[0]
+                    full = full[:end]
                     self.finish_reason, finished = "stop", True
             if not finished:
                 while end > t0 and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
@@ -480,7 +547,7 @@ class Choice:
 
 
 def usage(choices: list[Choice]) -> dict:
-    p = sum(len(c.handle.prompt) for c in choices)
+    p = sum(len(c.handle.prompt) for c in choices if c.first_of_prompt)
     g = sum(len(c.token_ids) for c in choices)
     cached = sum(c.handle.out.num_cached_tokens or 0 for c in choices if c.handle.out is not None)
     return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g,

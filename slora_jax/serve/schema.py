@@ -13,7 +13,8 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from slora_jax.serve.protocol import (ADAPTER_NAME, INT32_MAX, MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_STOP_CHARS,
-                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MESSAGE_ROLES, SEED_RANGE)
+                                      MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MESSAGE_ROLES,
+                                      SEED_RANGE)
 
 Text = Annotated[str, Field(min_length=1)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -34,12 +35,14 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None
     ttft_slo: float | None = Field(None, gt=0.0, le=3600.0)
 

@@ -1,0 +1,124 @@
+"""Fields of vLLM's CompletionRequest and ChatCompletionRequest through the official `openai`
+client on a live server. Supported ones (include_stop_str_in_output, skip_special_tokens) are
+checked against LLM.generate on the server's own LLM. Every field that this server does not
+implement, sent through the official `openai` client to a live server: set to its "off" value it is
+accepted and changes nothing (the output equals the same request without it); set to anything else
+it gets a 400 whose `param` names it. The refused fields and their off values are
+slora_jax.serve.protocol.REFUSED_FIELDS; docs/openai-api.md lists them beside vLLM's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from slora_jax import SamplingParams  # noqa: E402
+from slora_jax.serve.protocol import REFUSED_FIELDS, SUPPORTED_FIELDS  # noqa: E402
+from test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noqa: E402
+
+# One value per refused field that is not its off value.
+ON = {
+    "min_p": 0.1, "min_tokens": 2, "use_beam_search": True, "length_penalty": 0.5,
+    "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 5, "allowed_token_ids": [5, 6], "bad_words": ["ab"], "prompt_logprobs": 1,
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a+"},
+    "priority": 1, "logits_processors": ["pkg.proc"], "return_tokens_as_token_ids": True, "cache_salt": "s",
+    "kv_transfer_params": {"k": 1}, "vllm_xargs": {"k": 1}, "prompt_embeds": "AAAA",
+    "add_special_tokens": None,  # per endpoint below: the opposite of its default
+    "add_generation_prompt": False, "continue_final_message": True, "documents": [{"title": "t"}],
+    "chat_template": "{{ messages }}", "chat_template_kwargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
+    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto", "reasoning_effort": "low", "include_reasoning": False,
+}
+ON_SPECIAL = {"completions": False, "chat": True}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    model_dir, paths = demo_dir(tmp_path_factory)
+    st, srv = start_server(model_dir, {ADAPTERS[0]: paths[ADAPTERS[0]]})
+    yield openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0, timeout=120), srv
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live[0]
+
+
+def _reference(srv, prompt, **sp):
+    """LLM.generate on the server's LLM, between engine steps, for the same greedy request."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, **sp)
+    return srv.engine.call_sync(lambda: srv.llm.generate(prompt, params, adapter=ADAPTERS[0]))[0]
+
+
+def test_stop_string_kept_and_special_tokens_as_llm_generate(live):
+    client, srv = live
+    for i in range(10):
+        plain = _reference(srv, text(i))
+        stop = next((ch for j, ch in enumerate(plain.text[:-1]) if j and ch.isascii() and ch.isprintable()), None)
+        if stop is not None:
+            break
+    else:
+        pytest.fail("no prompt gave a printable character to stop on")
+    for keep in (False, True):
+        want = _reference(srv, text(i), stop=[stop], include_stop_str_in_output=keep)
+        got = client.completions.create(model=ADAPTERS[0], prompt=text(i), max_tokens=12, temperature=0, stop=[stop],
+                                        extra_body={"include_stop_str_in_output": keep})
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, "stop"), keep
+        assert got.choices[0].text.endswith(stop) == keep
+    want = _reference(srv, text(i), skip_special_tokens=False)
+    got = client.completions.create(model=ADAPTERS[0], prompt=text(i), max_tokens=12, temperature=0,
+                                    extra_body={"skip_special_tokens": False})
+    assert got.choices[0].text == want.text
+
+
+def _send(client, kind, extra):
+    if kind == "chat":
+        return client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(1)}],
+                                              max_tokens=3, temperature=0, extra_body=extra)
+    return client.completions.create(model=ADAPTERS[0], prompt=text(1), max_tokens=3, temperature=0,
+                                     extra_body=extra)
+
+
+def test_every_refused_field_has_a_value_to_send():
+    for kind, refused in REFUSED_FIELDS.items():
+        assert set(refused) <= set(ON), sorted(set(refused) - set(ON))
+        assert not set(refused) & SUPPORTED_FIELDS[kind]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_refused_fields_name_themselves(client, kind):
+    for name in REFUSED_FIELDS[kind]:
+        value = ON_SPECIAL[kind] if name == "add_special_tokens" else ON[name]
+        with pytest.raises(openai.BadRequestError) as e:
+            _send(client, kind, {name: value})
+        assert e.value.body["param"] == name, (name, e.value.body)
+        assert name in e.value.body["message"] and e.value.body["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_off_values_change_nothing(client, kind):
+    off = {name: vals[0] if vals else None for name, vals in REFUSED_FIELDS[kind].items()}
+    plain, with_off = _send(client, kind, {}), _send(client, kind, off)
+    pick = (lambda r: r.choices[0].message.content) if kind == "chat" else (lambda r: r.choices[0].text)
+    assert pick(with_off) == pick(plain) and with_off.usage == plain.usage
+    assert with_off.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_n_choices_as_llm_generate(live):
+    """n completions of one prompt: choice j is LLM.generate's j-th of SamplingParams(n=..., seed=...),
+    and the prompt counts once in usage."""
+    client, srv = live
+    got = client.completions.create(model=ADAPTERS[0], prompt=text(3), max_tokens=6, temperature=1.0, seed=7,
+                                    n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    want = srv.engine.call_sync(lambda: srv.llm.generate(text(3), params, adapter=ADAPTERS[0]))
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in got.choices] == [o.token_ids for o in want]
+    assert len({tuple(o.token_ids) for o in want}) > 1
+    assert got.usage.prompt_tokens == len(want[0].prompt_token_ids) and got.usage.completion_tokens == 18
