@@ -172,9 +172,6 @@ done
 part S2-n1000-R$SWEEP_RATE-prefetch-on  330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$SWEEP_RATE" --duration-s 40
 part S2-n1000-R$SWEEP_RATE-prefetch-off 330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$SWEEP_RATE" --duration-s 40 \
   --engine prefetch_adapters=0
-# Mixed steps (decode tokens in chunked-prefill steps): on by default only if this pair says so.
-part S2-n1000-R$SWEEP_RATE-mixed-steps  330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$SWEEP_RATE" --duration-s 40 \
-  --engine mixed_steps=true
 OVERLOAD=${OVERLOAD_RATE:-60}
 for cv in 1 4 8; do
   part "S2-n1000-R$OVERLOAD-cv$cv-abort" 330 "${RUN[@]}" --workload S2$WL --n 1000 --rate "$OVERLOAD" --cv "$cv" \

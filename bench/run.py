@@ -145,8 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--early-abort", action=argparse.BooleanOptionalAction, default=None,
                     help="pass slo_s to the engine as SamplingParams.ttft_slo (S-LoRA's early abort)")
     ap.add_argument("--engine", action="append", metavar="KEY=VALUE", help="override an EngineConfig field")
-    ap.add_argument("--mixed-steps", action="store_true",
-                    help="--variant: the engine's scheduler puts decode tokens into chunked-prefill steps")
     ap.add_argument("--baseline-size", type=int, default=None,
                     help="--mode padded: adapter slots, each sized at max_lora_rank (default 8); "
                          "--mode separate: pages reserved for adapters (required)")

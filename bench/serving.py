@@ -351,7 +351,7 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
         "prefill_step_seconds_count", "prefill_step_seconds_sum", "decode_step_seconds_count",
         "decode_step_seconds_sum", "batch_size_count", "batch_size_sum", "batch_adapters_count",
         "batch_adapters_sum", "decode_batch_size_count", "decode_batch_size_sum", "decode_batch_adapters_count",
-        "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses", "mixed_steps",
+        "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses",
         "prefill_load_step_seconds_count", "prefill_load_step_seconds_sum")}
 
     def mean(total, n):
@@ -366,8 +366,7 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
             "adapters_per_step_mean": mean("batch_adapters_sum", "batch_adapters_count"),
             "decode_seqs_per_step_mean": mean("decode_batch_size_sum", "decode_batch_size_count"),
             "decode_adapters_per_step_mean": mean("decode_batch_adapters_sum", "decode_batch_adapters_count"),
-            "prefetch_hits": d["prefetch_hits"], "prefetch_misses": d["prefetch_misses"],
-            "mixed_steps": d["mixed_steps"]}
+            "prefetch_hits": d["prefetch_hits"], "prefetch_misses": d["prefetch_misses"]}
 
 
 def warmup_trace(llm, w: Workload, names: list[str] | None, result: dict) -> None:

@@ -114,7 +114,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
     from slora_jax.engine.engine import Engine
     opts = engine_options(w, v.mode, v.baseline_size, parse_kv(v.engine))
     opts = {**opts, "pool_pages": num_pages}
-    other_options = opts != {**opts0, "pool_pages": num_pages} or v.mixed_steps
+    other_options = opts != {**opts0, "pool_pages": num_pages}
     if k > 0 or other_options:
         old, llm.engine = llm.engine, None
         if old is not None:  # None: the variant before failed while building it
@@ -123,8 +123,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         del old
         gc.collect()
         llm.config = EngineConfig().replace(**opts)
-        llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.config, llm.max_model_len,
-                            mixed_steps=v.mixed_steps)
+        llm.engine = Engine(llm.cfg, llm.params, llm.dtype, llm.store, llm.config, llm.max_model_len)
         # The adapter store outlives the engine: its host cache takes this variant's size now
         # (a smaller cache drops files at once, so the variant's cold adapters come from disk).
         llm.store.resize_host_cache(llm.config.max_cpu_loras, host_cache_bytes(llm.config.max_cpu_lora_gb))
@@ -141,7 +140,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
     result = header([*argv, f"# variant {name}"])
     recorded = options_json(opts)
     result.update(kind="trace", variant=name, mode=v.mode, workload=w.to_dict(), trace=trace.stats(),
-                  engine_options=recorded, mixed_steps=v.mixed_steps, baseline=recorded.get("baseline"), **loads, shared_process=k > 0,
+                  engine_options=recorded, baseline=recorded.get("baseline"), **loads, shared_process=k > 0,
                   rate_from=v.rate_from, variant_warmup=variant_warmup)
     t0 = time.perf_counter()
     result["pool_at_start"] = llm.stats()

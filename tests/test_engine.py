@@ -56,11 +56,10 @@ def paths(tmp_path_factory):
             for name, (r, t, s) in ADAPTERS.items()}
 
 
-def make_llm(paths, names=("a", "b", "c", "d"), mixed_steps=False, max_prefill_seqs=None, **options):
-    """An LLM on "tiny"; mixed_steps and max_prefill_seqs go to its scheduler (not EngineConfig
-    fields: the first is measured before it stays or goes, the second is a constant)."""
+def make_llm(paths, names=("a", "b", "c", "d"), max_prefill_seqs=None, **options):
+    """An LLM on "tiny"; max_prefill_seqs goes to its scheduler (a constant, not an EngineConfig
+    field)."""
     llm = LLM("tiny", adapters={n: paths[n] for n in names}, dtype="float32", **options)
-    llm.engine.sched.mixed_steps = mixed_steps
     if max_prefill_seqs is not None:
         llm.engine.sched.max_prefill_seqs = max_prefill_seqs
     return llm
@@ -754,15 +753,6 @@ def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, over
     assert_drained(eng)
 
 
-def test_mixed_steps_match_reference(paths, ref):
-    """Decode tokens riding in chunked prefill steps (mixed_steps) give the reference's outputs."""
-    engine = make_llm(paths, page_size=4, pool_pages=BIG * 4, mixed_steps=True,
-                      max_num_batched_tokens=4, max_prefill_seqs=1)
-    assert_same(engine.generate(W_PROMPTS, SP, adapter=W_NAMES), ref["old"])
-    assert engine.stats()["mixed_steps"] > 0
-    assert_drained(engine)
-
-
 def small_query_blocks(monkeypatch, block=16):
     """The xla packed prefill attention in blocks of `block` queries (attention.QUERY_BLOCK is read
     when a step traces: the compiled steps of other blocks are dropped)."""
@@ -949,12 +939,10 @@ def _spy_fed_tokens(monkeypatch):
     return fed
 
 
-@pytest.mark.parametrize("case", ["plain", "preempting", "mixed_steps"])
+@pytest.mark.parametrize("case", ["plain", "preempting"])
 def test_overlapped_steps_match_reference(paths, ref, monkeypatch, case):
     options = {"plain": dict(page_size=16, pool_pages=BIG),
-               "preempting": dict(page_size=4, pool_pages=tight_pool(paths)),
-               "mixed_steps": dict(page_size=4, pool_pages=BIG * 4, mixed_steps=True, max_num_batched_tokens=4,
-                                   max_prefill_seqs=1)}[case]
+               "preempting": dict(page_size=4, pool_pages=tight_pool(paths))}[case]
     engine = make_llm(paths, async_scheduling=True, **options)
     fed = _spy_fed_tokens(monkeypatch)
     outs = engine.generate(W_PROMPTS, SP, adapter=W_NAMES)
@@ -971,8 +959,6 @@ def test_overlapped_steps_match_reference(paths, ref, monkeypatch, case):
     st = engine.stats()
     if case == "preempting":
         assert st["preempted"] > 0, st
-    if case == "mixed_steps":
-        assert st["mixed_steps"] > 0, st
     assert st["tokens_generated"] == len(W_PROMPTS) * MAX_TOKENS  # no token of a dropped row counted
     assert_drained(engine)
 
@@ -1021,9 +1007,8 @@ def test_overlapped_steps_abort_in_flight(paths, ref):
     assert_drained(engine)
 
 
-@pytest.mark.parametrize("mixed,pallas", [(False, False), (True, False), (False, True)],
-                         ids=["split_steps", "mixed_steps", "pallas"])
-def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, pallas):
+@pytest.mark.parametrize("pallas", [False, True], ids=["xla", "pallas"])
+def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, pallas):
     """Random lengths, max_tokens from 1, stop tokens, greedy and seeded rows, four adapters and the
     base model, in a pool so tight that it preempts requests and evicts adapters: the overlapped
     loop gives the plain loop's tokens, finish reasons and logprobs. pallas: both on the Pallas
@@ -1039,7 +1024,7 @@ def test_overlapped_steps_equal_plain_steps_on_a_random_workload(paths, mixed, p
                               **(dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0.0)))
     kv = 5  # KV pages of 4 tokens: one row at its full length (up to 5 pages) fills them
     options = dict(page_size=4, pool_pages=1 + sum(pages_of(paths, a, 4) for a in "abcd") + kv, max_num_seqs=6,
-                   mixed_steps=mixed, max_num_batched_tokens=8, max_prefill_seqs=3,
+                   max_num_batched_tokens=8, max_prefill_seqs=3,
                    **(dict(lora_backend="pallas") if pallas else {}))
     reference = make_llm(paths, **options)
     # Every third row stops on its own third token (seen in a first run without stops).

@@ -71,9 +71,8 @@ class Sim:
         self.version = 0
         for name in adapters:
             self.register(name, adapter_pages)
-        mixed = opts.pop("mixed_steps", False)
         self.sched = Scheduler(self.pool, EngineConfig(**opts), PAGE, self.entries.get,
-                               clock=self.clock, cost=StepCostModel(), mixed_steps=mixed)
+                               clock=self.clock, cost=StepCostModel())
         self.page_holds: dict[int, tuple] = {}     # what the mock device's pages hold
         self.bound: dict[int, tuple] = {}          # id(request) -> adapter key it was admitted with
         self.requests: list[Request] = []
@@ -474,17 +473,3 @@ def test_histogram_buckets():
     assert h.quantile(0.5) == 2.0 and h.quantile(1.0) == float("inf") and h.mean == 3.2
 
 
-def test_mixed_steps_decode_while_a_long_prompt_is_prefilled():
-    """With mixed_steps a running request keeps getting tokens while a long prompt is prefilled in
-    chunks (each chunk one token shorter, for the decode token); without, it waits them out."""
-    arrivals = [Arrival(0.0, 10, 40, None), Arrival(0.05, 600, 4, None)]
-    plain = Sim(max_num_batched_tokens=64, max_num_seqs=4).run(arrivals)
-    mixed = Sim(max_num_batched_tokens=64, max_num_seqs=4, mixed_steps=True).run(arrivals)
-    for sim in (plain, mixed):
-        assert [r.generated for r in sim.requests] == [40, 4]
-        assert all(r.out.finish_reason == "length" for r in sim.requests)
-    assert not any(kind == "prefill" and n == 2 for kind, n, _ in plain.batches)
-    both = [n for kind, n, _ in mixed.batches if kind == "prefill" and n == 2]
-    assert len(both) >= 600 // 63  # every chunk of the long prompt carried the short one's token
-    assert mixed.sched.metrics.mixed_steps.value == len(both)
-    assert len(mixed.batches) < len(plain.batches)

@@ -128,10 +128,10 @@ class _InFlight:
 
 class Engine:
     """One model, its unified pool and its scheduler: `add_request`, then `step` until
-    `has_unfinished()` is False. `mixed_steps`: see Scheduler."""
+    `has_unfinished()` is False."""
 
     def __init__(self, cfg: ModelConfig, params, dtype: str, store: AdapterStore, config: EngineConfig,
-                 max_model_len: int, *, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False):
+                 max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.params, self.dtype, self.store, self.config = cfg, params, jnp.dtype(dtype), store, config
         self.opts = LoraChoices.resolve(config)  # "auto" resolved: what steps run LoRA and attention on
         # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.model.tp).
@@ -165,7 +165,7 @@ class Engine:
         self.clock = clock
         self.metrics = EngineMetrics()
         self.sched = Scheduler(self.pool, config, self.ps, store.entries.get, clock=clock, cost=StepCostModel(),
-                               metrics=self.metrics, ready=store.ready, mixed_steps=mixed_steps)
+                               metrics=self.metrics, ready=store.ready)
         # Steps dispatched ahead of the one being completed: 1 with async scheduling (step n+1 is
         # dispatched before the host waits for step n), 0 without.
         overlap = config.async_scheduling if config.async_scheduling is not None else jax.default_backend() != "cpu"

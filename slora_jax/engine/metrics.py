@@ -91,7 +91,6 @@ class EngineMetrics:
         self.decode_step_seconds = Histogram("decode step time (dispatch to results)")
         self.prefill_load_step_seconds = Histogram(
             "prefill step time (dispatch to results) of the prefill steps that paged an adapter in first")
-        self.mixed_steps = Counter("prefill steps that also decoded running requests (mixed_steps)")
         # pool
         self.resident_adapters = Gauge("adapter versions with pages in the pool")
         self.adapter_pages = Gauge("pool pages holding adapter weights")

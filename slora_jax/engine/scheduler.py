@@ -35,9 +35,7 @@ Policies (fields of `EngineConfig`):
 - Chunked prefill. A prompt longer than a step's token budget (`max_num_batched_tokens`) is
   prefilled in chunks over consecutive steps, ahead of new admissions. A prompt that fits a step
   of its own is not split to fill what is left of a step's budget: it starts the next step whole.
-  Prefill and decode do not share a step (S-LoRA). With the constructor's `mixed_steps=True`,
-  every running request ready to decode adds its one token to a prefill step instead (the step's
-  token budget is cut by that many).
+  Prefill and decode do not share a step (S-LoRA).
 """
 
 from __future__ import annotations
@@ -63,15 +61,13 @@ LOOKAHEAD = 512  # waiting requests an admission walk considers, in service orde
 
 
 class Scheduler(AdapterPrefetch):
-    """config: the EngineConfig (its scheduling fields). mixed_steps: decode tokens ride along in
-    prefill steps (see the module docstring)."""
+    """config: the EngineConfig (its scheduling fields)."""
 
     def __init__(self, pool: UnifiedPool, config: EngineConfig, page_size: int,
                  resolve: Callable[[str], object | None], *, clock: Callable[[], float] = time.monotonic,
                  cost: StepCostModel | None = None, metrics: EngineMetrics | None = None,
-                 ready: Callable[[object], bool] | None = None, mixed_steps: bool = False):
+                 ready: Callable[[object], bool] | None = None):
         self.pool, self.config, self.ps, self.resolve, self.clock = pool, config, page_size, resolve, clock
-        self.mixed_steps = mixed_steps
         self.max_prefill_seqs = MAX_PREFILL_SEQS
         # ready(entry): False while the adapter is still read from disk; its request waits
         self.ready = ready or (lambda entry: True)
@@ -114,17 +110,8 @@ class Scheduler(AdapterPrefetch):
         self.steps += 1
         self._expire_pins()
         finished = self._early_abort()
-        ready = [r for r in self.running if r.num_computed == len(r.tokens) - 1 and not self._done(r)] \
-            if self.mixed_steps else []
-        chunks = self._schedule_prefill(finished, reserve=len(ready))
+        chunks = self._schedule_prefill(finished)
         kind = "prefill"
-        if chunks and ready:  # mixed step: the ready requests decode in it too
-            running = set(map(id, self.running))
-            decode = [(r, r.num_computed, r.num_computed + 1) for r in ready
-                      if id(r) in running and self.grow(r, r.num_computed + 1)]
-            if decode:
-                self.metrics.mixed_steps.inc()
-            chunks += decode
         if not chunks:
             kind = "decode"
             chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
@@ -394,10 +381,9 @@ class Scheduler(AdapterPrefetch):
                 self.running.append(req)
         return out
 
-    def _schedule_prefill(self, finished: list[RequestOutput], reserve: int = 0) -> list[tuple[Request, int, int]]:
-        """Prefill chunks for this step; `reserve` tokens and sequences of the step's budget are
-        kept for decode tokens (mixed steps)."""
-        budget = self.config.max_num_batched_tokens - reserve
+    def _schedule_prefill(self, finished: list[RequestOutput]) -> list[tuple[Request, int, int]]:
+        """Prefill chunks for this step, within its token budget."""
+        budget = self.config.max_num_batched_tokens
         chunks = []
         stuck = False
         # Requests part-way through a chunked prefill go first.

@@ -34,7 +34,7 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     max_model_len's, under the Pallas kernel), and prefill of fresh prompts up to
     max_num_batched_tokens. With `lora` and adapters registered, each again with LoRA at every
     slot bucket on each module set a step can carry. Not covered (compiled on first use): prefill
-    steps that continue a split prompt (pooled context), and mixed steps."""
+    steps that continue a split prompt (pooled context)."""
     config, build = engine.config, engine.builder
     ctx = max_context or min(engine.max_model_len, 4096)
     module_sets = engine.slots.module_sets() if lora else []
