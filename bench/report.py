@@ -15,6 +15,7 @@ def summarize(recs: list[Record], slo_s: float, wall_s: float) -> dict:
     hits = sum(1 for r in recs if r.ttft is not None and r.ttft <= slo_s
                and r.finish_reason not in ("abort", "rejected"))
     gen = sum(r.tokens for r in recs)
+    gaps = np.array([g for r in done for g in r.token_gaps])
 
     def pct(a, q):
         return float(np.percentile(a, q)) if len(a) else None
@@ -28,6 +29,8 @@ def summarize(recs: list[Record], slo_s: float, wall_s: float) -> dict:
         "avg_latency_per_token_s": float(np.mean([r.latency / max(r.tokens, 1) for r in done])) if done else None,
         "ttft_avg_s": float(ttfts.mean()) if len(ttfts) else None,
         "ttft_p50_s": pct(ttfts, 50), "ttft_p90_s": pct(ttfts, 90), "ttft_p99_s": pct(ttfts, 99),
+        # inter-token latency: the time between a completed request's tokens (engine replay only)
+        "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
         "slo_s": slo_s, "slo_attainment": hits / len(recs) if recs else 0.0,
         **cold_warm_ttft(recs),
     }
@@ -62,7 +65,9 @@ def table(result: dict) -> str:
             f"on {result.get('device', '?')}")
     rows = [("throughput req/s", m["throughput_req_s"]), ("generated tok/s", m["gen_tok_s"]),
             ("avg latency s", m["avg_latency_s"]), ("TTFT p50 s", m["ttft_p50_s"]),
-            ("TTFT p99 s", m["ttft_p99_s"]), (f"SLO attainment (<= {m['slo_s']} s)", m["slo_attainment"]),
+            ("TTFT p99 s", m["ttft_p99_s"]), ("inter-token p50 / p99 s", f"{_fmt(m.get('itl_p50_s'))} / "
+                                                                       f"{_fmt(m.get('itl_p99_s'))}"),
+            (f"SLO attainment (<= {m['slo_s']} s)", m["slo_attainment"]),
             ("completed / aborted / unfinished", f"{m['completed']} / {m['aborted']} / {m['unfinished']}"),
             ("wall s", m["wall_s"])]
     for kind in ("cold", "warm"):

@@ -35,6 +35,8 @@ class Record:
     tokens: int = 0
     finish_reason: str | None = None     # length | stop | abort | rejected | cutoff
     cold: bool | None = None             # its adapter was not resident in the pool when it arrived
+    # seconds between the steps that gave it tokens, one entry per token after the first
+    token_gaps: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -222,6 +224,7 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
     counter = compile_counter()
     counter.count, counter.seconds, counter.active = 0, 0.0, True
     index: dict[str, int] = {}         # request id -> trace index
+    last_token: dict[int, tuple[int, float]] = {}  # trace index -> (tokens seen, when)
     nxt, cut, steps = 0, False, 0
     tracer = ServingTrace(llm, trace_steps, trace_after_s) if trace_steps > 0 else None
     t0 = time.perf_counter()
@@ -266,11 +269,18 @@ def replay(llm, trace: Trace, names: list[str] | None, *, max_wall_s: float | No
                         if i in no_token and out.token_ids:
                             recs[i].first_token_s = now
                             del no_token[i]
+                        seen, when = last_token.get(i, (0, now))
+                        if len(out.token_ids) > seen:
+                            if seen:
+                                new = len(out.token_ids) - seen
+                                recs[i].token_gaps += [(now - when) / new] * new
+                            last_token[i] = (len(out.token_ids), now)
                         if out.finished and i in live:
                             del live[i]
                             no_token.pop(i, None)
                             recs[i].finish_s, recs[i].finish_reason = now, out.finish_reason
                             recs[i].tokens = len(out.token_ids)
+                            last_token.pop(i, None)
                     samples.append(_pool_sample(llm))
             elif nxt >= len(reqs):
                 for i, out in list(live.items()):  # finished without being reported (see above)

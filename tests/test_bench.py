@@ -203,7 +203,11 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
         if r["finish_reason"] == "length":  # ignore_eos: every request runs to its length
             assert r["tokens"] == r["output_len"]
             assert r["arrival_s"] <= r["first_token_s"] <= r["finish_s"]
-    assert "throughput req/s" in run.table(result)
+            # one gap a token after the first, and they span first token to finish
+            assert len(r["token_gaps"]) == r["tokens"] - 1
+            assert sum(r["token_gaps"]) == pytest.approx(r["finish_s"] - r["first_token_s"], abs=1e-6)
+    assert 0 < m["itl_p50_s"] <= m["itl_p99_s"]
+    assert "throughput req/s" in run.table(result) and "inter-token" in run.table(result)
 
 
 @pytest.mark.parametrize("mode, flags, reserved", [
