@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
                             text=True).stdout.strip() if shutil.which("nvidia-smi") else "cpu"
     result = {"commit": git_commit(), "command": " ".join(["python", "bench/startup.py", *argv]),
               "device": device or "cpu", "cpu_count": os.cpu_count(),
+              "load_average_at_start": os.getloadavg(),  # other work on the machine slows a CPU start
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     result.update(kind="startup", serve_args=serve_args, runs=[])
     for k in range(args.runs):
