@@ -1,14 +1,18 @@
 """`make demo`: the main job on the embedded default.
 
-The tiny model gets dummy weights, written out as a Hugging Face directory with a byte-level
-tokenizer, and a few dozen generated PEFT adapters of mixed ranks and targets. One mixed batch
-(adapters of every rank plus base-model rows) goes through the paged engine over a pool too small
-to keep every adapter resident, so adapters are paged in and evicted as the batch runs. First, one
-prompt goes to the base model and three adapters in one batch, to show that each adapter changes
-the output. Adapters are named with vLLM's `LoRARequest`; results are read from `outputs[0]`.
+First run only (then cached on disk): the tiny model is trained, in seconds on a CPU, to copy a
+word (`pool=` -> `pool`), and three LoRA adapters are trained over it to do something else with
+the word: uppercase it, reverse it, shift each letter by one (slora_jax.toy_tasks). They are saved
+as an ordinary Hugging Face model directory and PEFT adapter directories, and every customer gets
+its own copy of one of them, so the pool holds many distinct adapters of mixed ranks.
 
-The model and each adapter are written to a temporary directory and renamed into place
-(`build_into`), so a kill during the first start never leaves a cache that later starts trip on.
+Then the engine serves them the way it serves any adapters: one batch in which each row names
+its own adapter (vLLM's `LoRARequest`) next to base-model rows, so each row visibly does its
+adapter's task and the base rows copy; and a larger mixed batch over a pool too small to keep
+every adapter resident, so adapters are paged in and evicted as it runs, with every answer checked.
+
+Each directory is written to a temporary name and renamed into place (`build_into`), so a kill
+during the first start never leaves a cache that later starts trip on.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-RANKS = (4, 8, 16, 32)
+RANKS = (4, 8, 16, 32)  # of the random adapters `prepare` writes (tests)
 TARGETS = (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"], "all-linear")
 
 
@@ -86,56 +90,116 @@ def prepare(workdir: Path, n_adapters: int, seed: int) -> tuple[Path, dict[str, 
     return model_dir, adapters
 
 
+TRAINED_RANKS = {"uppercase": 4, "reverse": 16, "caesar": 8}
+WORDS = ("pool", "jax", "lora", "batch", "serve", "token", "page", "rank")  # none is in the training data
+
+
+def prepare_trained(workdir: Path, n_customers: int, seed: int) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """The trained tiny model and task adapters (trained on the first call), and `n_customers`
+    adapter directories, each a copy of one task adapter. Returns (model dir, {customer: dir},
+    {customer: task})."""
+    from tokenizers import Tokenizer
+
+    from slora_jax import toy_tasks
+    from slora_jax.model.config import load_model_config
+    from slora_jax.model.weights import dummy_params, load_hf_weights, save_hf_weights
+
+    cfg = load_model_config("tiny")
+    eos = cfg.eos_token_ids[0]
+    model_dir = workdir / "tiny-copy"
+
+    def write_model(d: Path) -> None:
+        byte_level_tokenizer(d)
+        t = time.perf_counter()
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        params, loss = toy_tasks.train_base(dummy_params(cfg, "float32", seed=seed), cfg, tok, eos, seed=seed)
+        print(f"trained the tiny model to copy a word: loss {loss:.4f}, {time.perf_counter() - t:.1f} s", flush=True)
+        save_hf_weights(params, cfg, d)
+
+    build_into(model_dir, MODEL_FILES, write_model)
+    trained: dict = {}  # the model's weights and tokenizer, read once if an adapter is to be trained
+
+    def base():
+        if not trained:
+            trained["tok"] = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+            trained["params"] = load_hf_weights(model_dir, cfg, "float32")
+        return trained["params"], trained["tok"]
+
+    tasks = {}
+    for k, (task, (description, fn)) in enumerate(toy_tasks.TASKS.items()):
+        def write_adapter(d: Path, fn=fn, task=task, description=description, k=k) -> None:
+            t = time.perf_counter()
+            params, tok = base()
+            lora, scale, loss = toy_tasks.train_adapter(params, cfg, tok, eos, fn, rank=TRAINED_RANKS[task],
+                                                        seed=seed + k)
+            toy_tasks.save_adapter(d, cfg, lora, scale)
+            print(f"trained adapter {task!r} ({description}, rank {TRAINED_RANKS[task]}): loss {loss:.4f}, "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+        tasks[task] = workdir / "tasks" / task
+        build_into(tasks[task], ADAPTER_FILES, write_adapter)
+    customers, customer_task = {}, {}
+    names = list(tasks)
+    for i in range(n_customers):
+        name, task = f"customer-{i:03d}", names[i % len(names)]
+        path = workdir / "customers" / name
+        build_into(path, ADAPTER_FILES, lambda d, task=task: shutil.copytree(tasks[task], d, dirs_exist_ok=True))
+        customers[name], customer_task[name] = str(path), task
+    return model_dir, customers, customer_task
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="slora-jax demo", description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "slora_jax" / "demo"))
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--pool-pages", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     from slora_jax import LLM, LoRARequest, SamplingParams
+    from slora_jax.toy_tasks import TASKS, expected, prompt
 
-    model_dir, adapter_dirs = prepare(Path(args.workdir), args.adapters, args.seed)
+    model_dir, adapter_dirs, task_of = prepare_trained(Path(args.workdir), args.adapters, args.seed)
     t0 = time.perf_counter()
     llm = LLM(model_dir, adapters=adapter_dirs, dtype="float32", pool_pages=args.pool_pages,
               max_num_seqs=16, max_lora_rank=32)
     t_load = time.perf_counter() - t0
-    rng = np.random.default_rng(args.seed)
     names = list(adapter_dirs)
-    words = ["hello", "adapter", "paged", "pool", "rank", "serve", "jax", "lora", "batch", "token"]
-    prompts, chosen = [], []
-    for i in range(args.requests):
-        prompts.append(" ".join(rng.choice(words, size=int(rng.integers(2, 12)))))
-        chosen.append(None if i % 6 == 0 else names[int(rng.integers(len(names)))])
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapter_dirs.items())}
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
+    def answer(o) -> str:
+        return o.outputs[0].text.strip()
+
+    # One batch: each word through the base model and one customer of each task.
+    first = {task: next(n for n in names if task_of[n] == task) for task in TASKS}
+    rows = [(w, a) for w in WORDS[:3] for a in (None, *first.values())]
+    outs = llm.generate([prompt(w) for w, _ in rows], sp, lora_request=[loras[a] if a else None for _, a in rows])
+    print("\none batch, each row with its own adapter (the base model copies the word):")
+    for (w, a), o in zip(rows, outs):
+        want = expected(task_of.get(a), w)
+        label = "base model" if a is None else f"{a} ({task_of[a]})"
+        print(f"  {label:>26}  {prompt(w)!r:10} -> {answer(o)!r:9} {'ok' if answer(o) == want else f'expected {want!r}'}")
+
+    # A larger mixed batch over a pool too small for every adapter: pages in, evicts, checks all.
+    rng = np.random.default_rng(args.seed)
+    chosen = [None if i % 6 == 0 else names[int(rng.integers(len(names)))] for i in range(args.requests)]
+    words = [WORDS[int(rng.integers(len(WORDS)))] for _ in range(args.requests)]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, lora_request=[loras[a] if a else None for a in chosen])
+    outs = llm.generate([prompt(w) for w in words], sp, lora_request=[loras[a] if a else None for a in chosen])
     t_gen = time.perf_counter() - t0
-
-    print("one prompt, one batch, a different adapter per row (dummy weights: the tokens are noise;")
-    print("what shows is that each adapter turns the same prompt into different tokens)")
-    same, picked = prompts[0], [None, *names[:3]]
-    for a, o in zip(picked, llm.generate([same] * len(picked), sp,
-                                         lora_request=[loras[a] if a else None for a in picked])):
-        print(f"  {a or 'base model':>12}  {same!r} -> tokens {o.outputs[0].token_ids[:8]} ...")
-    print(f"\nthe mixed batch: {len(outs)} requests over {len({a for a in chosen if a})} adapters, first rows:")
-    for p, a, o in list(zip(prompts, chosen, outs))[:4]:
-        c = o.outputs[0]
-        print(f"  {a or 'base model':>12}  {p!r} -> {len(c.token_ids)} tokens {c.token_ids[:6]} ... ({c.finish_reason})")
+    right = sum(answer(o) == expected(task_of.get(a), w) for w, a, o in zip(words, chosen, outs))
     print()
     stats = llm.stats()
     n_tok = sum(len(o.token_ids) for o in outs)
     print("summary")
-    print(f"  model            tiny (dummy weights), {llm.cfg.num_hidden_layers} layers, hidden "
+    print(f"  model            tiny, trained to copy; {llm.cfg.num_hidden_layers} layers, hidden "
           f"{llm.cfg.hidden_size}, GQA {llm.cfg.num_attention_heads}/{llm.cfg.num_key_value_heads}")
-    print(f"  adapters         {len(names)} registered, ranks {sorted(set(RANKS))}, "
-          f"{len({a for a in chosen if a})} used, {sum(a is None for a in chosen)} base-model requests")
-    print(f"  requests         {len(outs)} in one mixed batch, {n_tok} tokens generated")
+    print(f"  adapters         {len(names)} customers, each a copy of one of {len(TASKS)} trained adapters "
+          f"(ranks {sorted(set(TRAINED_RANKS.values()))}); {len({a for a in chosen if a})} used")
+    print(f"  requests         {len(outs)} in one mixed batch ({sum(a is None for a in chosen)} base model), "
+          f"{right}/{len(outs)} answers right, {n_tok} tokens generated")
     print(f"  time             load {t_load:.1f} s, generate {t_gen:.1f} s "
           f"(includes XLA compiles on first run; {jax.default_backend().upper()})")
     print(f"  pool             {stats['total_pages']} pages of {stats['page_size']} tokens, "
@@ -143,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{stats['steps']} steps")
     print(f"  after the run    {stats['kv_pages']} KV pages, {stats['adapter_pages']} adapter pages "
           f"({stats['resident_adapters']} adapters cached), {stats['free_pages']} free")
+    if right != len(outs):
+        raise SystemExit(f"{len(outs) - right} of {len(outs)} answers were wrong")
 
 
 if __name__ == "__main__":

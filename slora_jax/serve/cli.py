@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(flag_message(str(e)))
     model, name, dtype = args.model, args.served_model_name, args.dtype
-    if model is None:  # the embedded default: what `make demo` runs
+    if model is None:  # the embedded default: the tiny model on dummy weights, up in seconds
         from slora_jax.demo import prepare
         model_dir, demo_adapters = prepare(Path.home() / ".cache" / "slora_jax" / "demo", DEMO_ADAPTERS, 0)
         model, name, dtype = str(model_dir), name or "tiny", dtype or "float32"
