@@ -11,9 +11,10 @@ from slora_jax.lora import selection
 
 # (decode, slots, max_rank, platform, ranksplit_ok) -> backend
 SELECT = [
-    (True, 4, 64, "cpu", True, "xla"),             # off the GPU: one-hot, always
+    (True, 4, 64, "cpu", True, "xla"),             # neither GPU nor TPU: one-hot, always
     (False, 64, 64, "cpu", True, "xla"),
-    (True, 128, 8, "tpu", True, "xla"),
+    (True, 128, 8, "tpu", True, "pallas_tpu"),     # on a TPU: the Mosaic kernels, decode and prefill
+    (False, 8, 64, "tpu", True, "pallas_tpu"),
     (False, 8, 64, "gpu", True, "pallas"),          # prefill: the segment pair, any slots
     (False, 256, 64, "gpu", True, "pallas"),
     (True, 8, 64, "gpu", True, "xla"),              # decode, few slots: one-hot (hybrid_slots(64) == 8)
