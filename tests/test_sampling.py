@@ -101,6 +101,18 @@ def test_stop_strings(demo):
         SamplingParams(stop=[""])
 
 
+def test_min_tokens_holds_stop_strings_back(demo):
+    """As vLLM: a stop string ends the text only where it ends past the first min_tokens - 1 tokens."""
+    llm, _, _ = demo
+    prompt, full, stop = _stop_case(llm)
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop],
+                                              min_tokens=8))[0]
+    floor = len(llm.tokenizer.decode(full.token_ids[:7]))
+    assert full.text.find(stop) + len(stop) <= floor  # without min_tokens it would stop earlier
+    cut = full.text.find(stop, floor - len(stop) + 1)
+    assert out.text == (full.text if cut < 0 else full.text[:cut]) and len(out.token_ids) >= 8
+
+
 def test_stop_token_id_is_the_stop_reason(demo):
     llm, _, _ = demo
     full = llm.generate("adapter", GREEDY)[0]
@@ -300,8 +312,8 @@ def test_sampler_extras_against_numpy_on_random_logits():
     allowed = prob >= 0.3 * prob.max(axis=-1, keepdims=True)
     seen = set()
     for k in range(40):
-        toks, _ = sample(jlogits, temp, np.zeros(s, np.int32), ones, jax.vmap(jax.random.PRNGKey)(np.arange(s) + 100 * k),
-                         min_p)
+        keys = jax.vmap(jax.random.PRNGKey)(np.arange(s) + 100 * k)
+        toks, _ = sample(jlogits, temp, np.zeros(s, np.int32), ones, keys, min_p)
         toks = np.asarray(toks)
         assert allowed[np.arange(s), toks].all()
         seen.update(zip(range(s), toks.tolist()))

@@ -252,6 +252,8 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, adapter: str | None, seed: int,
                     eos_ids: tuple[int, ...]) -> RequestOutput:
+        if params.logit_bias and max(params.logit_bias) >= self.cfg.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.cfg.vocab_size}")
         entry = self.store.get(adapter) if adapter is not None else None
         kv, ad = self.kv_pages_for(len(prompt) + params.max_tokens), (entry.layout.pages if entry else 0)
         if kv > self.pool.kv_capacity(ad):

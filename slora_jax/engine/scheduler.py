@@ -155,8 +155,9 @@ class Scheduler(AdapterPrefetch):
 
     def complete_overlapped(self, plan: Plan, results, seconds: float | None, top=None) -> list[RequestOutput]:
         """`complete` for a step that went through `advance`: its PENDING tokens become the
-        sampled ones (top: the step's top logprobs [S, 2, k], or None). A request that stops here may already sit in the next step (dispatched):
-        that step's token for it is dropped. One preempted meanwhile keeps its token."""
+        sampled ones (top: the step's top logprobs [S, 2, k], or None). A request that stops here
+        may already sit in the next step (dispatched): that step's token for it is dropped. One
+        preempted meanwhile keeps its token."""
         self._observe(plan, seconds)
         finished = []
         results = results.tolist() if hasattr(results, "tolist") else results

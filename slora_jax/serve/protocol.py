@@ -520,8 +520,8 @@ class Choice:
             end = len(full)
             if self.stop and len(self.token_ids) >= self.min_tokens:  # as vLLM: none before min_tokens
                 floor = self._min_tokens_chars()
-                hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, t0 - len(s), floor - len(s) + 1))) >= 0),
-                          default=None)
+                hit = min(((i, s) for s in self.stop
+                           if (i := full.find(s, max(0, t0 - len(s), floor - len(s) + 1))) >= 0), default=None)
                 if hit is not None:
                     end = hit[0] + len(hit[1]) if self.keep_stop else hit[0]
                     full = full[:end]
