@@ -1,4 +1,7 @@
-"""Sampling parameters (host) and the on-device sampler."""
+"""Sampling parameters (host) and the on-device sampler: temperature, top-k and top-p always, and
+vLLM's extras (logit_bias, min_tokens, penalties, min_p, top-k logprobs) in a step that carries
+SamplingExtras. Each extra is a small jnp function; tests/test_sampling.py holds their numpy
+references."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 MAX_LOGPROBS = 20            # the most top logprobs a request may ask for (vLLM's max_logprobs)
 MAX_LOGIT_BIAS = 1024        # the most logit_bias entries a request may carry
@@ -119,7 +121,7 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-FED = -2  # a history entry that is the row's input token of this step (on the device: async scheduling)
+FED = -2  # a history entry that is the row's input token of this step (still on the device: async scheduling)
 
 
 @flax.struct.dataclass

@@ -159,6 +159,14 @@ def test_completion_top_logprobs_are_the_top_of_the_full_log_softmax(live):
         assert abs(c.logprobs.token_logprobs[j] - full[tok]) < 1e-4
 
 
+def test_streamed_top_logprobs_as_the_whole_response(client):
+    whole = _complete(client, text(4), logprobs=2)[0].logprobs
+    chunks = client.completions.create(model=ADAPTERS[0], prompt=text(4), max_tokens=6, temperature=0, logprobs=2,
+                                       stream=True, extra_body={"ignore_eos": True})
+    tops = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.top_logprobs]
+    assert tops == whole.top_logprobs and all(len(t) >= 2 for t in tops)
+
+
 def test_chat_top_logprobs_are_the_top_k(live):
     client, srv = live
     got = client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(2)}],
