@@ -319,7 +319,7 @@ class StepInputBuilder:
 
 def sampling_extras(reqs: list[Request], s: int) -> SamplingExtras | None:
     """The SamplingExtras of a step over `reqs` (padded to s rows): None when no request uses any,
-    and each part only when some request uses it (top logprobs at pow2 of the largest k)."""
+    and each part only when some request uses it (top logprobs at pow2 of the largest k, >= 4)."""
     users = [r for r in reqs if r.params.uses_extras]
     if not users:
         return None
@@ -332,7 +332,7 @@ def sampling_extras(reqs: list[Request], s: int) -> SamplingExtras | None:
         parts["min_p"] = _column([r.params.min_p for r in reqs], s, np.float32, 0.0)
     if any(r.params.penalized for r in users):
         parts.update(penalty_arrays(reqs, s))
-    return SamplingExtras(**parts, top_logprobs=pow2(k) if k else 0)
+    return SamplingExtras(**parts, top_logprobs=pow2(k, 4) if k else 0)
 
 
 def row_bias(req: Request) -> dict[int, float]:
