@@ -189,8 +189,12 @@ class LLM:
         """Whether `out` is done as far as stop strings go; ends it at the first one found."""
         if out.finished:
             return True
+        if len(out.token_ids) < p.min_tokens:  # as vLLM: no stop string ends the text before min_tokens
+            return False
         text = self.tokenizer.decode(out.token_ids, p.skip_special_tokens)
-        hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+        floor = len(self.tokenizer.decode(out.token_ids[:p.min_tokens - 1], p.skip_special_tokens)) \
+            if p.min_tokens > 1 else 0  # a stop string must end past the first min_tokens - 1 tokens' text
+        hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
         if not hits:
             return False
         i, hit = min(hits)

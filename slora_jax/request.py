@@ -34,6 +34,8 @@ class LoRARequest:
 class CompletionOutput:
     """One generated sequence of a request (vLLM's `CompletionOutput`). `logprobs` holds the
     sampled token's logprob per position (None unless SamplingParams.logprobs is set);
+    `top_logprobs` per position {token id: logprob} of the k most likely tokens and the sampled one
+    (SamplingParams.logprobs=k >= 1, else None: vLLM's logprobs dicts);
     `stop_reason` is the stop token id or stop string that ended it (None: EOS or the length)."""
     index: int
     text: str
@@ -42,6 +44,7 @@ class CompletionOutput:
     logprobs: list[float] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -65,6 +68,7 @@ class RequestOutput:
     prompt: str | None = None             # the prompt text, when it was given as text
     stop_reason: int | str | None = None
     lora_request: LoRARequest | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # see CompletionOutput
 
     @property
     def finished(self) -> bool:
@@ -74,11 +78,20 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         lps = self.logprobs
         return [CompletionOutput(0, self.text or "", self.token_ids, float(sum(lps)) if lps is not None else None,
-                                 lps, self.finish_reason, self.stop_reason)]
+                                 lps, self.finish_reason, self.stop_reason, self.top_logprobs)]
 
 
 def new_request_id() -> str:
     return f"req-{next(_ids)}"
+
+
+def top_dict(top, k: int, token: int, logprob: float) -> dict[int, float]:
+    """{token id: logprob} of a step's top row [2, >= k] (ids, logprobs; best first): its first k,
+    and the sampled token, as vLLM's logprobs=k."""
+    ids, lps = top[0][:k].tolist(), top[1][:k].tolist()
+    out = {int(t): lp for t, lp in zip(ids, lps)}
+    out.setdefault(token, logprob)
+    return out
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:

@@ -1,26 +1,30 @@
 """Fields of vLLM's CompletionRequest and ChatCompletionRequest through the official `openai`
-client on a live server. Supported ones (include_stop_str_in_output, skip_special_tokens) are
-checked against LLM.generate on the server's own LLM. Every field that this server does not
-implement, sent through the official `openai` client to a live server: set to its "off" value it is
-accepted and changes nothing (the output equals the same request without it); set to anything else
-it gets a 400 whose `param` names it. The refused fields and their off values are
-slora_jax.serve.protocol.REFUSED_FIELDS; docs/openai-api.md lists them beside vLLM's.
+client on a live server. Supported ones (include_stop_str_in_output, skip_special_tokens, n) are
+checked against LLM.generate on the server's own LLM; the sampling extras (top-k logprobs,
+penalties, logit_bias, min_tokens, min_p) against numpy references on the server's own prompt
+logits (tests/test_sampling.py's), and their out-of-range values get a 400 naming them. Every field
+that this server does not implement: set to its "off" value it is accepted and changes nothing (the
+output equals the same request without it); set to anything else it gets a 400 whose `param` names
+it. The refused fields and their off values are slora_jax.serve.fields.REFUSED_FIELDS;
+docs/openai-api.md lists them beside vLLM's.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from slora_jax import SamplingParams  # noqa: E402
-from slora_jax.serve.protocol import REFUSED_FIELDS, SUPPORTED_FIELDS  # noqa: E402
+from slora_jax.serve.fields import REFUSED_FIELDS, SUPPORTED_FIELDS  # noqa: E402
+from test_sampling import np_log_softmax, np_process  # noqa: E402
 from test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noqa: E402
 
 # One value per refused field that is not its off value.
 ON = {
-    "min_p": 0.1, "min_tokens": 2, "use_beam_search": True, "length_penalty": 0.5,
+    "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 5, "allowed_token_ids": [5, 6], "bad_words": ["ab"], "prompt_logprobs": 1,
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
@@ -122,3 +126,123 @@ def test_n_choices_as_llm_generate(live):
     assert [c.model_extra["token_ids"] for c in got.choices] == [o.token_ids for o in want]
     assert len({tuple(o.token_ids) for o in want}) > 1
     assert got.usage.prompt_tokens == len(want[0].prompt_token_ids) and got.usage.completion_tokens == 18
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampling extras
+
+
+def _logits(srv, ids: list[int]) -> np.ndarray:
+    """The server's LLM's logits after `ids` (the adapter's), between engine steps."""
+    return srv.engine.call_sync(lambda: srv.llm.prompt_logits([ids], adapter=ADAPTERS[0]))[0][-1].astype(np.float64)
+
+
+def _complete(client, prompt: str, **extra):
+    got = client.completions.create(model=ADAPTERS[0], prompt=prompt, max_tokens=extra.pop("max_tokens", 6),
+                                    temperature=extra.pop("temperature", 0), seed=extra.pop("seed", None),
+                                    logprobs=extra.pop("logprobs", None),
+                                    extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+    c = got.choices[0]
+    return c, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]
+
+
+def test_completion_top_logprobs_are_the_top_of_the_full_log_softmax(live):
+    client, srv = live
+    c, prompt, ids = _complete(client, text(4), temperature=1.0, seed=3, logprobs=3)
+    assert len(c.logprobs.top_logprobs) == len(ids) == 6
+    for j, tok in enumerate(ids):
+        full = np_log_softmax(_logits(srv, prompt + ids[:j]))
+        want = {srv.piece(int(t)): full[t] for t in [*np.argsort(-full)[:3], tok]}
+        got = c.logprobs.top_logprobs[j]
+        assert got.keys() == want.keys() and 3 <= len(got) <= 4, j
+        assert all(abs(got[k] - want[k]) < 1e-4 for k in want)
+        assert abs(c.logprobs.token_logprobs[j] - full[tok]) < 1e-4
+
+
+def test_streamed_top_logprobs_as_the_whole_response(client):
+    whole = _complete(client, text(4), logprobs=2)[0].logprobs
+    chunks = client.completions.create(model=ADAPTERS[0], prompt=text(4), max_tokens=6, temperature=0, logprobs=2,
+                                       stream=True, extra_body={"ignore_eos": True})
+    tops = [t for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.top_logprobs]
+    assert tops == whole.top_logprobs and all(len(t) >= 2 for t in tops)
+
+
+def test_chat_top_logprobs_are_the_top_k(live):
+    client, srv = live
+    got = client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(2)}],
+                                         max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt, ids = got.choices[0].model_extra["prompt_token_ids"], got.choices[0].model_extra["token_ids"]
+    for j, entry in enumerate(got.choices[0].logprobs.content):
+        full = np_log_softmax(_logits(srv, prompt + ids[:j]))
+        best = np.argsort(-full)[:2]
+        assert [t.token for t in entry.top_logprobs] == [srv.piece(int(t)) for t in best]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(full[best].tolist(), abs=1e-4)
+
+
+def test_penalties_greedy_as_the_numpy_reference(live):
+    client, srv = live
+    pen = dict(presence_penalty=-1.5, frequency_penalty=0.5, repetition_penalty=1.4)
+    c, prompt, ids = _complete(client, text(5), max_tokens=8, **pen)
+    sp = SamplingParams(max_tokens=8, **pen)
+    want: list[int] = []
+    for _ in range(8):
+        want.append(int(np.argmax(np_process(_logits(srv, prompt + want), sp, prompt, want))))
+    assert ids == want
+    assert ids != _complete(client, text(5), max_tokens=8)[2]   # the penalties act
+
+
+def test_logit_bias_forces_and_bans_a_token(live):
+    client, _ = live
+    plain = _complete(client, text(6))[2]
+    assert _complete(client, text(6), logit_bias={"7": 100})[2] == [7] * 6
+    banned = _complete(client, text(6), logit_bias={str(plain[0]): -100})[2]
+    assert banned[0] != plain[0] and plain[0] not in banned
+
+
+def test_min_tokens_holds_against_a_stop_token(live):
+    client, srv = live
+    plain = _complete(client, text(7))[2]
+    stop = plain[0]
+    early, _, ids = _complete(client, text(7), stop_token_ids=[stop])
+    assert ids == [stop] and early.finish_reason == "stop"
+    held, _, ids = _complete(client, text(7), stop_token_ids=[stop], min_tokens=3)
+    want = srv.engine.call_sync(lambda: srv.llm.generate(text(7), SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], min_tokens=3), adapter=ADAPTERS[0]))[0]
+    assert ids == want.token_ids and len(ids) >= 3 and stop not in ids[:3]
+
+
+def test_min_p_as_llm_generate_and_within_its_bound(live):
+    client, srv = live
+    _, prompt, ids = _complete(client, text(8), temperature=1.0, seed=4, min_p=0.5)
+    want = srv.engine.call_sync(lambda: srv.llm.generate(text(8), SamplingParams(
+        max_tokens=6, temperature=1.0, seed=4, ignore_eos=True, min_p=0.5), adapter=ADAPTERS[0]))[0]
+    assert ids == want.token_ids
+    assert _within_min_p(srv, prompt, ids, 0.5)
+    free = _complete(client, text(8), temperature=1.0, seed=4)[2]
+    assert not _within_min_p(srv, prompt, free, 0.5)   # the same seed leaves the bound without min_p
+
+
+def _within_min_p(srv, prompt: list[int], ids: list[int], min_p: float) -> bool:
+    for j, tok in enumerate(ids):
+        p = np.exp(np_log_softmax(_logits(srv, prompt + ids[:j])))
+        if p[tok] < min_p * p.max() - 1e-6:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("field,value", [
+    ("min_p", 1.5), ("min_tokens", 7), ("min_tokens", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("repetition_penalty", 11), ("logit_bias", {"99999": 1}), ("logit_bias", {"5": 101}),
+    ("logit_bias", {"x": 1}), ("logit_bias", [1]), ("logprobs", 21)])
+def test_out_of_range_extras_name_themselves(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=ADAPTERS[0], prompt=text(1), max_tokens=6, extra_body={field: value})
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_chat_top_logprobs_past_the_limit(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(1)}],
+                                       max_tokens=6, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"

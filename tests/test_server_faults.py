@@ -104,7 +104,7 @@ RANGE_CASES = [  # (id, body changes, message, param): every value that reaches 
     ("temperature-past-double", {"temperature": 10**400}, "temperature must be in [0, 2]", "temperature"),
     ("top-p-past-double", {"top_p": -(10**400)}, "top_p must be in (0, 1]", "top_p"),
     ("ttft-slo-past-double", {"ttft_slo": 10**400}, "ttft_slo must be in", "ttft_slo"),
-    ("logprobs-huge", {"logprobs": 2**40}, "logprobs must be <= 5", "logprobs"),
+    ("logprobs-huge", {"logprobs": 2**40}, "logprobs must be <= 20", "logprobs"),
     ("n-huge", {"n": 2**40}, "n must be <= 16", "n"),
     ("stop-token-ids-many", {"stop_token_ids": [5] * 65}, "at most 64 stop_token_ids", "stop_token_ids"),
     ("stop-token-id-negative", {"stop_token_ids": [-1]}, "stop_token_ids must be", "stop_token_ids"),

@@ -124,6 +124,7 @@ class _InFlight:
     dispatched: float
     first_run: bool
     prefetch_s: float = 0.0
+    top: jax.Array | None = None  # top logprobs [S, 2, k] of a step that returns them
 
 
 class Engine:
@@ -251,6 +252,8 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, adapter: str | None, seed: int,
                     eos_ids: tuple[int, ...]) -> RequestOutput:
+        if params.logit_bias and max(params.logit_bias) >= self.cfg.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.cfg.vocab_size}")
         entry = self.store.get(adapter) if adapter is not None else None
         kv, ad = self.kv_pages_for(len(prompt) + params.max_tokens), (entry.layout.pages if entry else 0)
         if kv > self.pool.kv_capacity(ad):
@@ -262,7 +265,8 @@ class Engine:
         if entry is not None and self.config.prefetch_adapters and not self.pool.is_resident(entry.key):
             self.store.stage(entry)  # a cold adapter's disk read starts now, off the step loop
         rid = new_request_id()
-        out = RequestOutput(rid, list(prompt), logprobs=[] if params.logprobs else None, adapter=adapter)
+        out = RequestOutput(rid, list(prompt), logprobs=[] if params.wants_logprobs else None, adapter=adapter,
+                            top_logprobs=[] if params.num_top_logprobs else None)
         self.sched.add(Request(rid, list(prompt), len(prompt), params, seed, entry, out,
                                stop_ids(params, eos_ids), self.clock()))
         return out
@@ -397,7 +401,7 @@ class Engine:
             self._shapes.add(shape)
         dispatched = time.perf_counter()
         with self.timer.phase("dispatch"):
-            results = self._dispatch(inp)
+            results, top = self._dispatch(inp)
         with self.timer.phase("prefetch"):
             self._write_adapters(self.sched.prefetch(plan))
             self.sched.advance(plan)
@@ -405,7 +409,7 @@ class Engine:
             self.builder.feed_from(results, plan.pending)
         self.step_count += 1
         self._count_transition(plan.kind)
-        return _InFlight(plan, results, dispatched, first_run, self.timer.last["prefetch"])
+        return _InFlight(plan, results, dispatched, first_run, self.timer.last["prefetch"], top)
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for a dispatched step's results and hand them to the scheduler. The device ran
@@ -413,13 +417,14 @@ class Engine:
         its compile, and a slow prefetch (disk) can outlast the step: neither is timed."""
         with self.timer.phase("device_wait"):
             results = np.asarray(step.results)
+            top = np.asarray(step.top) if step.top is not None else None
         failed = self._non_finite(step.plan, results)
         done = time.perf_counter()
         seconds = done - max(step.dispatched, self._last_done)
         self._last_done = done
         timed = not step.first_run and step.prefetch_s < 0.5 * seconds
         with self.timer.phase("complete"):
-            return failed + self.sched.complete_overlapped(step.plan, results, seconds if timed else None)
+            return failed + self.sched.complete_overlapped(step.plan, results, seconds if timed else None, top)
 
     def _non_finite(self, plan: Plan, results: np.ndarray) -> list[RequestOutput]:
         """End each request whose token sampled in this step has a non-finite logprob (its
@@ -450,10 +455,11 @@ class Engine:
         row[2] += self.timer.last["dispatch"]
         self._last_kind = kind
 
-    def _dispatch(self, inp: paged.StepInputs) -> jax.Array:
-        """Run the step on the device (asynchronously): its results."""
+    def _dispatch(self, inp: paged.StepInputs) -> tuple[jax.Array, jax.Array | None]:
+        """Run the step on the device (asynchronously): its results, and its top logprobs (None
+        unless the step returns them)."""
         self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, tp=self.tp)
-        return results
+        return results if isinstance(results, tuple) else (results, None)
 
     # -- warm-up -----------------------------------------------------------------------------
 

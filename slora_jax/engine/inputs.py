@@ -20,6 +20,7 @@ from slora_jax.lora import LoraInputs, rows_needed
 from slora_jax.engine.scheduler import MAX_PREFILL_SEQS, PENDING, Request
 from slora_jax.model.config import TARGET_MODULES, ModelConfig
 from slora_jax.model.layout import page_rows
+from slora_jax.sampling import FED, SamplingExtras
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -230,7 +231,8 @@ class StepInputBuilder:
                                page_table=table, ctx_lens=ctx_lens, sample_idx=sample_idx, ctx_seq=ctx_seq,
                                lora=self.slots.lora_inputs(token_reqs, t, decode=False), decode=False,
                                attention_backend=self.attention_backend, prefill_context=context,
-                               key_window=self.key_window(t, longest), **self.sampling_arrays(reqs, s))
+                               key_window=self.key_window(t, longest), **self.sampling_arrays(reqs, s),
+                               sampling=sampling_extras(reqs, s))
         return inp, samplers
 
     def decode(self, batch: list[Request]):
@@ -248,7 +250,7 @@ class StepInputBuilder:
                                ctx_lens=ctx_lens, sample_idx=np.arange(s, dtype=np.int32),
                                lora=self.slots.lora_inputs(batch + [None] * (s - n), s, decode=True),
                                decode=True, attention_backend=self.attention_backend,
-                               **self.sampling_arrays(batch, s))
+                               **self.sampling_arrays(batch, s), sampling=sampling_extras(batch, s))
         return inp, set(range(n))
 
     def null(self, t: int, s: int, p: int, decode: bool, lora=None, key_window: int = 0) -> paged.StepInputs:
@@ -309,3 +311,65 @@ class StepInputBuilder:
     def kv_slots(self, req: Request, positions: np.ndarray) -> np.ndarray:
         pages = np.asarray(self.pool.kv[req.rid], np.int32)
         return pages[positions // self.ps] * self.ps + positions % self.ps
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling extras
+
+
+def sampling_extras(reqs: list[Request], s: int) -> SamplingExtras | None:
+    """The SamplingExtras of a step over `reqs` (padded to s rows): None when no request uses any,
+    and each part only when some request uses it (top logprobs at pow2 of the largest k, >= 4)."""
+    users = [r for r in reqs if r.params.uses_extras]
+    if not users:
+        return None
+    k = max(r.params.num_top_logprobs for r in users)
+    parts = {}
+    biases = [row_bias(r) for r in reqs]
+    if any(biases):
+        parts.update(bias_arrays(biases, s))
+    if any(r.params.min_p > 0 for r in users):
+        parts["min_p"] = _column([r.params.min_p for r in reqs], s, np.float32, 0.0)
+    if any(r.params.penalized for r in users):
+        parts.update(penalty_arrays(reqs, s))
+    return SamplingExtras(**parts, top_logprobs=pow2(k, 4) if k else 0)
+
+
+def row_bias(req: Request) -> dict[int, float]:
+    """A request's logit_bias, and -inf on its stop ids while it is short of min_tokens."""
+    p = req.params
+    bias = dict(p.logit_bias or {})
+    if req.generated < p.min_tokens:
+        for t in req.stops:
+            bias[t] = -np.inf
+    return bias
+
+
+def bias_arrays(biases: list[dict[int, float]], s: int) -> dict:
+    k = pow2(max(len(b) for b in biases), 8)
+    ids, values = np.full((s, k), -1, np.int32), np.zeros((s, k), np.float32)
+    for i, b in enumerate(biases):
+        ids[i, :len(b)] = list(b)
+        values[i, :len(b)] = list(b.values())
+    return dict(bias_ids=ids, bias_values=values)
+
+
+def penalty_arrays(reqs: list[Request], s: int) -> dict:
+    """Penalties [s, 3] (presence, frequency, repetition; padding rows and unpenalized requests
+    neutral), and the penalized requests' tokens in history [s, H] (H: pow2 of the longest)."""
+    penalized = [(i, r) for i, r in enumerate(reqs) if r.params.penalized]
+    h = pow2(max(len(r.tokens) for _, r in penalized), 16)
+    penalties = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (s, 1))
+    history = np.full((s, h), -1, np.int32)
+    for i, r in penalized:
+        penalties[i] = (r.params.presence_penalty, r.params.frequency_penalty, r.params.repetition_penalty)
+        tokens = np.asarray(r.tokens, np.int32)
+        history[i, :len(tokens)] = np.where(tokens == PENDING, FED, tokens)
+    return dict(penalties=penalties, history=history,
+                prompt_lens=_column([r.prompt_len for r in reqs], s, np.int32, 0))
+
+
+def _column(values: list, s: int, dtype, pad) -> np.ndarray:
+    a = np.full(s, pad, dtype)
+    a[:len(values)] = values
+    return a

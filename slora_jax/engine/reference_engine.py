@@ -64,7 +64,9 @@ class ReferenceEngine:
         seed_arr = np.zeros(b, np.uint32)
         seed_arr[:n] = np.asarray(seeds, np.int64) % (2**32)
         stops = [stop_ids(p, eos_ids) for p in params]
-        outs = [RequestOutput(new_request_id(), list(p), logprobs=[] if sp.logprobs else None)
+        if any(sp.uses_extras for sp in params):
+            raise ValueError("the reference engine samples with temperature, top-k and top-p only")
+        outs = [RequestOutput(new_request_id(), list(p), logprobs=[] if sp.wants_logprobs else None)
                 for p, sp in zip(prompts, params)]
 
         step = np.zeros(b, np.int32)

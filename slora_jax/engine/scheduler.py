@@ -51,7 +51,7 @@ from slora_jax.engine.metrics import EngineMetrics, StepCostModel
 from slora_jax.engine.pool import OutOfPages, UnifiedPool
 from slora_jax.engine.prefetch import AdapterPrefetch
 from slora_jax.engine.prefix_cache import cached_prefix, offer_pages
-from slora_jax.request import Plan, Request, RequestOutput
+from slora_jax.request import Plan, Request, RequestOutput, top_dict
 
 __all__ = ["Scheduler", "Request", "Plan", "StepCostModel", "PENDING", "MAX_PREFILL_SEQS"]
 
@@ -140,10 +140,11 @@ class Scheduler(AdapterPrefetch):
                 plan.pending.append((i, req, len(req.tokens)))
                 req.tokens.append(PENDING)
 
-    def complete_overlapped(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
+    def complete_overlapped(self, plan: Plan, results, seconds: float | None, top=None) -> list[RequestOutput]:
         """`complete` for a step that went through `advance`: its PENDING tokens become the
-        sampled ones. A request that stops here may already sit in the next step (dispatched):
-        that step's token for it is dropped. One preempted meanwhile keeps its token."""
+        sampled ones (top: the step's top logprobs [S, 2, k], or None). A request that stops here
+        may already sit in the next step (dispatched): that step's token for it is dropped. One
+        preempted meanwhile keeps its token."""
         self._observe(plan, seconds)
         finished = []
         results = results.tolist() if hasattr(results, "tolist") else results
@@ -154,7 +155,7 @@ class Scheduler(AdapterPrefetch):
             token = int(results[i][0])
             req.tokens[idx] = token
             self._first_token(req, now)
-            self._emit(req, token, float(results[i][1]))
+            self._emit(req, token, float(results[i][1]), top[i] if top is not None else None)
             if req.resumed and req not in self.running and self._ends(req, token, idx + 1 - req.prompt_len):
                 self.waiting.remove(req)  # preempted while this step ran, and done now
             self._finish_if_done(req, token, idx + 1 - req.prompt_len)
@@ -163,9 +164,10 @@ class Scheduler(AdapterPrefetch):
         self.refresh_gauges()
         return finished
 
-    def complete(self, plan: Plan, results, seconds: float | None) -> list[RequestOutput]:
+    def complete(self, plan: Plan, results, seconds: float | None, top=None) -> list[RequestOutput]:
         """Bookkeeping after the step: results[i] = (token, logprob) of chunk i (used where the
-        chunk ends its request's known tokens); `seconds` feeds the cost model (None: skip)."""
+        chunk ends its request's known tokens), top[i] its top logprobs (None: not asked for);
+        `seconds` feeds the cost model (None: skip)."""
         self._observe(plan, seconds)
         finished = []
         now = self.clock()
@@ -177,7 +179,7 @@ class Scheduler(AdapterPrefetch):
             self._cache_pages(req)
             if end == len(req.tokens):
                 self._first_token(req, now)
-                self._append(req, int(results[i][0]), float(results[i][1]))
+                self._append(req, int(results[i][0]), float(results[i][1]), top[i] if top is not None else None)
                 if req.out.finished:
                     finished.append(req.out)
         self.refresh_gauges()
@@ -508,9 +510,9 @@ class Scheduler(AdapterPrefetch):
         self.num_preempted += 1
         self.metrics.requests_preempted.inc()
 
-    def _append(self, req: Request, token: int, logprob: float) -> None:
+    def _append(self, req: Request, token: int, logprob: float, top=None) -> None:
         req.tokens.append(token)
-        self._emit(req, token, logprob)
+        self._emit(req, token, logprob, top)
         self._finish_if_done(req, token, req.generated)
 
     @staticmethod
@@ -522,11 +524,13 @@ class Scheduler(AdapterPrefetch):
         if self._ends(req, token, generated):
             self._finish(req, "stop" if token in req.stops else "length")
 
-    def _emit(self, req: Request, token: int, logprob: float) -> None:
+    def _emit(self, req: Request, token: int, logprob: float, top=None) -> None:
         req.out.token_ids.append(token)
         self.metrics.tokens_generated.inc()
         if req.out.logprobs is not None:
             req.out.logprobs.append(logprob)
+        if req.out.top_logprobs is not None and top is not None:
+            req.out.top_logprobs.append(top_dict(top, req.params.num_top_logprobs, token, logprob))
 
     def _finish(self, req: Request, reason: str, why: str | None = None, *, early: bool = False,
                 count: bool = True) -> None:

@@ -25,7 +25,7 @@ from slora_jax.lora import LoraInputs, pool_lora
 from slora_jax.model import llama as model
 from slora_jax.model import tp as tp_mod
 from slora_jax.model.config import ModelConfig
-from slora_jax.sampling import sample
+from slora_jax.sampling import SamplingExtras, sample, top_logprobs
 
 
 @flax.struct.dataclass
@@ -59,6 +59,9 @@ class StepInputs:
     # still on the device. The step's own results then come padded to R rows too.
     token_src: jax.Array | None = None
     prev_results: jax.Array | None = None
+    # Penalties, logit_bias, min_tokens, min_p, top logprobs: present only when some row of the
+    # step asks for one (None: the plain sampler, the step every other batch runs).
+    sampling: SamplingExtras | None = None
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, tp=None) -> list[jax.Array]:
@@ -149,16 +152,24 @@ def _forward(params, pool, inp: StepInputs, cfg: ModelConfig, tp: int = 1):
 
 
 def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
-    """Sample each sequence's next token from its final-normed hidden row: [S, 2] (token, logprob)."""
+    """Sample each sequence's next token from its final-normed hidden row: [S, 2] (token, logprob),
+    and with inp.sampling.top_logprobs the rows' top logprobs [S, 2, k] (else None)."""
     logits = model.lm_logits(params, cfg, h_rows)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(inp.seeds, inp.steps)
-    tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys)
-    return jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
+    extras = inp.sampling
+    fed = _tokens(inp)[inp.sample_idx] if extras is not None and extras.history is not None else None
+    tokens, logprobs = sample(logits, inp.temperature, inp.top_k, inp.top_p, keys, extras, fed)
+    results = jnp.stack([tokens.astype(jnp.float32), logprobs], axis=-1)  # exact: ids < 2**24
+    top = top_logprobs(logits, extras.top_logprobs) if extras is not None and extras.top_logprobs else None
+    return results, top
 
 
 def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig, tp: int = 1):
+    """(new K/V, results), results being (results, top logprobs) when the step returns those."""
     h, new_kv = _forward(params, pool, inp, cfg, tp)
-    return new_kv, _pad_results(_sample_rows(params, cfg, h[inp.sample_idx], inp), inp)
+    results, top = _sample_rows(params, cfg, h[inp.sample_idx], inp)
+    results = _pad_results(results, inp)
+    return new_kv, results if top is None else (results, top)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -187,7 +198,8 @@ def _over_mesh(local, tp, params, pool, inp: StepInputs):
 
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp=None):
     """One engine step: `(pool, results)`; the pool is donated (updated in place). tp (a tp.TP):
-    the step split over its mesh (params and pool placed for it)."""
+    the step split over its mesh (params and pool placed for it). results is the [S, 2] array, or
+    (that array, top logprobs [S, 2, k]) for a step with inp.sampling.top_logprobs."""
     if tp is not None:
         new_kv, results = forward_sample_tp(params, pool, inp, cfg=cfg, tp=tp)
         return commit_kv_tp(pool, new_kv, inp.kv_slot, tp=tp), results

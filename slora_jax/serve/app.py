@@ -162,7 +162,7 @@ class Server:
                     seed = None if sp.seed is None else (sp.seed + j + 2**63) % 2**64 - 2**63
                     h = self.engine.submit(p, sp, adapter, seed, queue=q, index=i * n + j)
                     c = Choice(i * n + j, h, self.llm.tokenizer, extras["stop"], extras["logprobs"],
-                               extras["include_stop_str_in_output"], extras["skip_special_tokens"])
+                               extras["include_stop_str_in_output"], extras["skip_special_tokens"], sp.min_tokens)
                     c.first_of_prompt = j == 0
                     choices.append(c)
         except EngineError as e:
@@ -206,10 +206,10 @@ class Server:
         for t in ids:
             offsets.append(at)
             at += len(self.llm.tokenizer.decode([t])) if self.llm.tokenizer else 0
-        return completion_logprobs(c, [self.piece(t) for t in ids], lps, offsets)
+        return completion_logprobs(c, [self.piece(t) for t in ids], lps, offsets, c.tops(len(ids), self.piece))
 
     def chat_logprobs(self, c: Choice, ids: list[int], lps: list[float]) -> dict | None:
-        return chat_logprobs(c, [self.piece(t) for t in ids], lps)
+        return chat_logprobs(c, [self.piece(t) for t in ids], lps, c.tops(len(ids), self.piece))
 
 
 class _EngineCollector:

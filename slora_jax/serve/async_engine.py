@@ -77,6 +77,7 @@ class Delta:
     finish_reason: str | None = None
     abort_reason: str | None = None
     error_code: str | None = None   # finish_reason "error": why the engine could not serve it
+    top_logprobs: list[dict[int, float]] | None = None  # per token: its top k and itself (logprobs=k)
 
 
 class EngineError(RuntimeError):
@@ -372,8 +373,9 @@ class AsyncEngine:
                 if m:
                     m.ttft.observe(now - h.submitted)
             lps = out.logprobs[h.sent:n] if out.logprobs is not None else None
+            tops = out.top_logprobs[h.sent:n] if out.top_logprobs is not None else None
             batch.append((h, Delta(out.token_ids[h.sent:n], lps, out.finish_reason, out.abort_reason,
-                                   out.error_code)))
+                                   out.error_code, tops)))
             if m and n > h.sent:
                 m.generation_tokens.labels(m.label(h.adapter)).inc(n - h.sent)
             h.sent = n

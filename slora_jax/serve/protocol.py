@@ -9,16 +9,17 @@ number that reaches the device is range-checked, so one request can never fail a
 others. Messages built from exceptions go through `hide_paths`: no server path leaves the server.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
-stop (strings), logprobs (completions: int 0..5; chat: bool + top_logprobs 0..20), n (completion j of
-a prompt sampled with seed + j, as SamplingParams.n in LLM.generate), and vLLM's
-extensions top_k, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
-return_token_ids (adds `token_ids` and
-`prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the request, 503,
-when its first token cannot come in time). Only the sampled token's logprob is computed, so a
-`top_logprobs` list holds that one token. Penalties, logit_bias, echo, best_of > 1, suffix and tools
-are refused with 400 rather than silently ignored, and so is every other field of vLLM's
-CompletionRequest and ChatCompletionRequest set to anything but its "off" value (REFUSED_FIELDS;
-docs/openai-api.md has the table). Fields vLLM does not know either are logged and ignored.
+stop (strings), logprobs (completions: int 0..20, the top k and the sampled token; chat: bool +
+top_logprobs 0..20, the top k), presence_penalty and frequency_penalty [-2, 2], logit_bias ({token
+id: [-100, 100]}), n (completion j of a prompt sampled with seed + j, as SamplingParams.n in
+LLM.generate), and vLLM's extensions top_k, min_p, min_tokens, repetition_penalty (0, 10],
+stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, return_token_ids (adds
+`token_ids` and `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the
+request, 503, when its first token cannot come in time). echo, best_of > 1, suffix and tools are
+refused with 400 rather than silently ignored, and so is every other field of vLLM's
+CompletionRequest and ChatCompletionRequest set to anything but its "off" value (fields.py's
+REFUSED_FIELDS; docs/openai-api.md has the table). Fields vLLM does not know either are logged and
+ignored.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from slora_jax.sampling import SamplingParams
+from slora_jax.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
+from slora_jax.serve.fields import REFUSED_FIELDS, SUPPORTED_FIELDS, is_off
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024        # the longest stop string
@@ -51,42 +53,6 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 log = logging.getLogger(__name__)
 
-# Fields of vLLM's CompletionRequest / ChatCompletionRequest that this server reads (or that carry
-# no effect on the output: `user`, `request_id`).
-SUPPORTED_FIELDS = {
-    "completions": {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs", "stream", "stream_options", "n", "best_of",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "echo",
-                    "suffix", "user", "request_id", "return_token_ids", "ttft_slo",
-                    "include_stop_str_in_output", "skip_special_tokens"},
-    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-             "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream",
-             "stream_options", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "logit_bias", "echo", "tools", "user", "request_id", "return_token_ids", "ttft_slo",
-             "include_stop_str_in_output", "skip_special_tokens"},
-}
-
-# vLLM's fields that this server does not implement, each with the values that mean "off" (the
-# value vLLM defaults to, or null): any other value is a 400 naming the field, never ignored.
-_COMMON_REFUSED = {
-    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
-    "bad_words": ([],), "prompt_logprobs": (), "response_format": ({"type": "text"},),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
-    "structured_outputs": (), "priority": (0,), "logits_processors": (), "return_tokens_as_token_ids": (False,),
-    "cache_salt": (), "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
-}
-REFUSED_FIELDS = {
-    "completions": {**_COMMON_REFUSED, "add_special_tokens": (True,)},
-    "chat": {**_COMMON_REFUSED, "add_special_tokens": (False,), "add_generation_prompt": (True,),
-             "continue_final_message": (False,), "documents": (), "chat_template": (),
-             "chat_template_kwargs": ({},), "mm_processor_kwargs": (), "tool_choice": ("none",),
-             "parallel_tool_calls": (), "functions": (), "function_call": ("none",),
-             "reasoning_effort": (), "include_reasoning": (True,)},
-}
-
-
 def refuse_unimplemented(body: dict, chat: bool) -> None:
     """A 400 naming the first field vLLM accepts and this server does not implement, when it is
     set to anything but its "off" value; other unknown fields are logged and ignored, as vLLM does."""
@@ -96,7 +62,7 @@ def refuse_unimplemented(body: dict, chat: bool) -> None:
         if name in SUPPORTED_FIELDS[kind]:
             continue
         if name in refused:
-            if v is not None and not any(type(v) is type(off) and v == off for off in refused[name]):
+            if not is_off(v, refused[name]):
                 raise bad(f"{name} is not supported by this server (allowed: "
                           f"{', '.join([json.dumps(o) for o in refused[name]] + ['null'])})",
                           name, "unsupported_parameter")
@@ -249,15 +215,7 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def refuse_unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not is_number(v) or v != 0):
-            raise bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
-    v = body.get("repetition_penalty")
-    if v is not None and (not is_number(v) or v != 1):
-        raise bad("repetition_penalty is not supported (only 1)", "repetition_penalty", "unsupported_parameter")
-    for name, what in (("logit_bias", "logit_bias is"), ("echo", "echo is"), ("suffix", "suffix is"),
-                       ("tools", "tools are")):
+    for name, what in (("echo", "echo is"), ("suffix", "suffix is"), ("tools", "tools are")):
         if body.get(name):
             raise bad(f"{what} not supported", name, "unsupported_parameter")
     if body.get("best_of") not in (None, 1):
@@ -342,12 +300,12 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     if chat:
         want_lp = get_bool(body, "logprobs")
-        top_lp = get_int(body, "top_logprobs", 0, 20)
+        top_lp = get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
         if top_lp is not None and not want_lp:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         lp = (top_lp or 0) if want_lp else None
     else:
-        lp = get_int(body, "logprobs", 0, 5)
+        lp = get_int(body, "logprobs", 0, MAX_LOGPROBS)
     n = get_int(body, "n", 1, MAX_N, 1)
     if n * len(prompt_lens) > MAX_BATCH_PROMPTS:
         raise bad(f"{len(prompt_lens)} prompts times n={n} is over {MAX_BATCH_PROMPTS} completions per request", "n")
@@ -358,7 +316,8 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
     include_usage = bool(so and get_bool(so, "include_usage"))
     try:
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop_token_ids=stop_ids, logprobs=lp is not None, ignore_eos=ignore_eos,
+                            seed=seed, stop_token_ids=stop_ids, logprobs=lp if lp is not None else False,
+                            ignore_eos=ignore_eos, **sampling_extras(body, limits.vocab, max_tokens),
                             **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None
@@ -366,6 +325,35 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
                     return_token_ids=get_bool(body, "return_token_ids"),
                     include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
                     skip_special_tokens=get_bool(body, "skip_special_tokens", True))
+
+
+def sampling_extras(body: dict, vocab: int, max_tokens: int) -> dict:
+    """min_p, min_tokens, the penalties and logit_bias, range-checked (SamplingParams' fields)."""
+    return dict(min_p=get_number(body, "min_p", 0.0, 1.0, 0.0),
+                min_tokens=get_int(body, "min_tokens", 0, max_tokens, 0),
+                presence_penalty=get_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+                frequency_penalty=get_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+                repetition_penalty=get_number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
+                logit_bias=logit_bias(body, vocab))
+
+
+def logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id as a string: bias in [-100, 100]}, ids in the vocabulary."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("logit_bias must be an object mapping token ids to biases", "logit_bias", "invalid_type")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise bad(f"logit_bias keys must be token ids in [0, {vocab}), got {json.dumps(key)}", "logit_bias")
+        if not is_number(bias) or not -100 <= bias <= 100:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], got {json.dumps(bias)}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,13 +478,14 @@ class Choice:
     """One prompt of a request: the tokens generated, and the text sent so far."""
 
     def __init__(self, index: int, handle: RequestHandle, tokenizer, stop: list[str], logprobs: int | None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
         self.index, self.handle, self.tok, self.stop = index, handle, tokenizer, stop
-        self.keep_stop, self.skip_special = include_stop_str_in_output, skip_special_tokens
+        self.keep_stop, self.skip_special, self.min_tokens = include_stop_str_in_output, skip_special_tokens, min_tokens
         self.first_of_prompt = True  # False for a prompt's 2nd..n-th completion: usage counts a prompt once
         self.want_lp = logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []  # per token: its top k and itself (logprobs=k)
         self.text = ""
         self.finish_reason: str | None = None   # "error": the model's output was not finite
         self.abort_reason: str | None = None
@@ -517,6 +506,8 @@ class Choice:
         self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs.extend(d.logprobs)
+        if d.top_logprobs is not None:
+            self.top_logprobs.extend(d.top_logprobs)
         finished = d.finish_reason is not None
         if finished:
             self.finish_reason, self.abort_reason = d.finish_reason, d.abort_reason
@@ -527,9 +518,10 @@ class Choice:
             shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
             full = self.tok.decode(shown, self.skip_special)
             end = len(full)
-            if self.stop:
-                hit = min(((i, s) for s in self.stop if (i := full.find(s, max(0, t0 - len(s)))) >= 0),
-                          default=None)
+            if self.stop and len(self.token_ids) >= self.min_tokens:  # as vLLM: none before min_tokens
+                floor = self._min_tokens_chars()
+                hit = min(((i, s) for s in self.stop
+                           if (i := full.find(s, max(0, t0 - len(s), floor - len(s) + 1))) >= 0), default=None)
                 if hit is not None:
                     end = hit[0] + len(hit[1]) if self.keep_stop else hit[0]
                     full = full[:end]
@@ -540,6 +532,20 @@ class Choice:
                 end = max(t0, min(end, len(full) - self._hold))
             self.text = full[:end]
         return self.text[t0:], self.token_ids[n0:], self.logprobs[n0:]
+
+    def _min_tokens_chars(self) -> int:
+        """The text of the first min_tokens - 1 tokens, which a stop string must end past."""
+        return len(self.tok.decode(self.token_ids[:self.min_tokens - 1], self.skip_special)) \
+            if self.min_tokens > 1 else 0
+
+    def tops(self, n: int, piece) -> list[list[tuple[str, float]]] | None:
+        """The top logprobs of the last n tokens, each as [(piece(token), logprob)] best first
+        (None when not asked for)."""
+        if not self.want_lp or len(self.top_logprobs) < len(self.token_ids):
+            return None
+        end = len(self.token_ids)
+        return [[(piece(t), lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])]
+                for d in self.top_logprobs[end - n:end]]
 
     @property
     def finished(self) -> bool:
@@ -554,22 +560,29 @@ def usage(choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(c: Choice, pieces: list[str], lps: list[float], offsets: list[int]) -> dict | None:
-    """The completions API's logprobs object for tokens shown as `pieces` at text `offsets`."""
+def completion_logprobs(c: Choice, pieces: list[str], lps: list[float], offsets: list[int],
+                        tops: list | None = None) -> dict | None:
+    """The completions API's logprobs object for tokens shown as `pieces` at text `offsets`;
+    tops (Choice.tops): per token its top k and itself, as vLLM's top_logprobs dicts."""
     if c.want_lp is None:
         return None
+    if tops is None:
+        tops = [[(tok, lp)] for tok, lp in zip(pieces, lps)]
     return {"tokens": pieces, "token_logprobs": list(lps),
-            "top_logprobs": [{tok: lp} for tok, lp in zip(pieces, lps)] if c.want_lp > 0 else None,
+            "top_logprobs": [dict(top) for top in tops] if c.want_lp > 0 else None,
             "text_offset": offsets}
 
 
-def chat_logprobs(c: Choice, pieces: list[str], lps: list[float]) -> dict | None:
-    """The chat API's logprobs object for tokens shown as `pieces`."""
+def chat_logprobs(c: Choice, pieces: list[str], lps: list[float], tops: list | None = None) -> dict | None:
+    """The chat API's logprobs object for tokens shown as `pieces`; each token's top_logprobs are
+    the top_logprobs most likely tokens (tops: Choice.tops)."""
     if c.want_lp is None:
         return None
-    content = []
-    for tok, lp in zip(pieces, lps):
-        entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-        entry["top_logprobs"] = [dict(entry)] if c.want_lp > 0 else []
-        content.append(entry)
+    if tops is None:
+        tops = [[(tok, lp)] for tok, lp in zip(pieces, lps)]
+
+    def entry(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    content = [{**entry(tok, lp), "top_logprobs": [entry(*t) for t in top[:c.want_lp]]}
+               for tok, lp, top in zip(pieces, lps, tops)]
     return {"content": content}

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from slora_jax.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from slora_jax.serve.protocol import (ADAPTER_NAME, INT32_MAX, MAX_BATCH_PROMPTS, MAX_MESSAGES, MAX_STOP_CHARS,
                                       MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MESSAGE_ROLES,
                                       SEED_RANGE)
@@ -45,12 +46,19 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None
     ttft_slo: float | None = Field(None, gt=0.0, le=3600.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0, description="at most max_tokens")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a string) -> bias added to its logit", max_length=MAX_LOGIT_BIAS)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[Text, TokenIds, Annotated[list[Union[Text, TokenIds]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]] = Field(
         ..., description="text or token ids (each below the model's vocabulary size), or a list of such prompts")
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(BaseModel):
@@ -68,7 +76,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class LoadAdapterRequest(BaseModel):
