@@ -39,6 +39,7 @@ TASKS: dict[str, tuple[str, Callable[[str], str]]] = {
     "caesar": ("shift each letter by one", _caesar),
 }
 MAX_WORD = 6
+TRAIN_RANK = 16  # adapters train at this width, their own rank masked in
 BATCH = 32
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -70,11 +71,13 @@ def examples(tokenizer, words: list[str], task: Callable[[str], str], eos: int) 
     return ids, mask
 
 
-def lora_apply(lora: dict, scale: float):
-    """A `model.LoraApply` for one adapter held as {module: (A [L, in, r], B [L, r, out])}."""
+def lora_apply(lora: dict, scale: float, rank_mask=None):
+    """A `model.LoraApply` for one adapter held as {module: (A [L, in, r], B [L, r, out])};
+    rank_mask [r] (1s, then 0s) keeps only the first ranks."""
     def apply(layer, module, x, y, kv=None):
         a, b = lora[module]
-        return y + scale * (x @ a[layer]) @ b[layer]
+        xa = x @ a[layer]
+        return y + scale * ((xa if rank_mask is None else xa * rank_mask) @ b[layer])
     return apply
 
 
@@ -112,7 +115,8 @@ def _updater(cfg: ModelConfig, lora_scale: float | None, steps: int, lr: float):
     def loss_of(trainable, frozen, ids, mask):
         if lora_scale is None:
             return _loss(ids, mask, _logits(trainable, cfg, ids))
-        return _loss(ids, mask, _logits(frozen, cfg, ids, lora_apply(trainable, lora_scale)))
+        params, rank_mask = frozen
+        return _loss(ids, mask, _logits(params, cfg, ids, lora_apply(trainable, lora_scale, rank_mask)))
 
     @jax.jit
     def update(trainable, state, frozen, ids, mask):
@@ -146,17 +150,21 @@ def train_base(params, cfg: ModelConfig, tokenizer, eos: int, *, steps: int = 60
 def train_adapter(params, cfg: ModelConfig, tokenizer, eos: int, task: Callable[[str], str], *, rank: int,
                   steps: int = 300, seed: int = 0) -> tuple[dict, float, float]:
     """LoRA (A, B on every linear module) trained on `task` over the frozen `params`, with PEFT's
-    init (B zero) and scale alpha / rank = 2. Returns (lora, scale, last loss)."""
+    init (B zero) and scale alpha / rank = 2. Every rank up to TRAIN_RANK trains in the same
+    compiled update, the ranks past `rank` masked off. Returns (lora, scale, last loss)."""
+    if not 1 <= rank <= TRAIN_RANK:
+        raise ValueError(f"rank {rank} is outside 1..{TRAIN_RANK}")
     key = jax.random.key(seed)
     lora = {}
     for k, module in enumerate(LORA_MODULES):
         fin, fout = cfg.module_shape(module)
-        a = jax.random.normal(jax.random.fold_in(key, k), (cfg.num_hidden_layers, fin, rank)) / np.sqrt(fin)
-        lora[module] = (a, jnp.zeros((cfg.num_hidden_layers, rank, fout)))
+        a = jax.random.normal(jax.random.fold_in(key, k), (cfg.num_hidden_layers, fin, TRAIN_RANK)) / np.sqrt(fin)
+        lora[module] = (a, jnp.zeros((cfg.num_hidden_layers, TRAIN_RANK, fout)))
     scale = 2.0
+    rank_mask = (jnp.arange(TRAIN_RANK) < rank).astype(jnp.float32)
     data = examples(tokenizer, random_words(np.random.default_rng(seed + 1), 4096), task, eos)
-    lora, loss = _train(cfg, lora, params, scale, data, steps, 1e-2, seed)
-    return lora, scale, loss
+    lora, loss = _train(cfg, lora, (params, rank_mask), scale, data, steps, 1e-2, seed)
+    return {m: (a[:, :, :rank], b[:, :rank, :]) for m, (a, b) in lora.items()}, scale, loss
 
 
 def save_adapter(path: Path, cfg: ModelConfig, lora: dict, scale: float) -> None:
