@@ -96,7 +96,7 @@ def test_engine_step_lowers_for_tpu(kind, model, decode, monkeypatch):
         text = forward_sample.trace(_abstract_params(cfg, jnp.bfloat16), pool, inp, cfg=cfg).lower(
             lowering_platforms=("tpu",)).as_text()
     seconds = time.perf_counter() - start
-    kernels = ["_shrink_kernel", "_expand_kernel"] + (["_decode_kernel"] if decode else [])
+    kernels = ["_shrink_kernel", "_expand_kernel", "_decode_kernel" if decode else "_prefill_kernel"]
     assert text.count("tpu_custom_call") >= len(kernels)  # one per distinct kernel and shape
     for name in kernels:
         assert name in text, name

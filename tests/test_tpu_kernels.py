@@ -349,3 +349,74 @@ def test_decode_layer_lowers_for_tpu(kind):
         text = _lower(layer, S((seqs, hid), bf), S((20000, 2, ps, w), bf), a_rows, b_rows, S((sa,), i32),
                       S((sa + 1,), i32), S((seqs, p), i32), S((seqs,), i32))
     assert text.count("tpu_custom_call") >= 4  # one per distinct kernel and shape; nine calls
+
+
+def test_prefill_attention_no_races():
+    """Packed prefill with race detection on: three sequences, one with context across pages."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+    rng = np.random.default_rng(8)
+    pool, table, ctx = _attention_case(rng, jnp.float32, heads=2, kv_heads=1, ctx=[0, 18, 3])
+    seq_starts = np.array([0, 9, 21, 29], np.int32)
+    t = 31  # odd, two padding tokens
+    q = jnp.asarray(rng.normal(size=(t, 2, 128)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(t, 1, 128)), jnp.float32) for _ in range(2))
+    out = paged_prefill_attention(q, k, v, pool, table, ctx, seq_starts, blocks=PrefillBlocks(16, 16),
+                                  interpret=pltpu.InterpretParams(detect_races=True))
+    assert not tpu_interpret.races.races_found
+    ref = paged_prefill_attention_reference(q, k, v, pool, table, ctx, seq_starts)
+    np.testing.assert_allclose(_np(out), _np(ref), rtol=1e-4, atol=1e-4)
+
+
+def _engine_prefill(rng, *, chunks, page_size=16, heads=4, kv_heads=2, d=128, rows=8):
+    """A packed prefill step as StepInputBuilder.prefill lays it out: chunks (ctx, n) in row order,
+    tokens grouped by sequence, padding last (token_seq -1), and, when any chunk has context, the
+    page table and ctx_lens only for those sequences (ctx_seq). Pages hold garbage past each
+    context, and the pool holds garbage pages."""
+    from slora_jax.engine.step import StepInputs
+    pool, table, ctx = _attention_case(rng, jnp.float32, heads=heads, kv_heads=kv_heads, d=d,
+                                       ctx=[c for c, _ in chunks], page_size=page_size)
+    total = sum(n for _, n in chunks)
+    t = max(16, 1 << (total - 1).bit_length())
+    token_seq = np.full(t, -1, np.int32)
+    positions = np.zeros(t, np.int32)
+    at = 0
+    for i, (c, n) in enumerate(chunks):
+        token_seq[at:at + n], positions[at:at + n] = i, c + np.arange(n)
+        at += n
+    with_ctx = [i for i, (c, _) in enumerate(chunks) if c > 0]
+    context = bool(with_ctx)
+    ctx_seq = None
+    if context:
+        c = 1 << (len(with_ctx) - 1).bit_length()
+        ctx_seq = np.full(c, -1, np.int32)
+        ctx_seq[:len(with_ctx)] = with_ctx
+        tab = np.zeros((c, table.shape[1]), np.int32)
+        tab[:len(with_ctx)] = table[with_ctx]
+        lens = np.zeros(c, np.int32)
+        lens[:len(with_ctx)] = ctx[with_ctx]
+    else:
+        tab, lens = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
+    z, zf = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+    inp = StepInputs(tokens=np.zeros(t, np.int32), positions=positions, kv_slot=np.zeros(t, np.int32),
+                     token_seq=token_seq, page_table=tab, ctx_lens=lens, sample_idx=z, temperature=zf, top_k=z,
+                     top_p=zf, seeds=z.astype(np.uint32), steps=z, lora=None, decode=False,
+                     attention_backend="pallas_tpu", prefill_context=context, ctx_seq=ctx_seq)
+    q = jnp.asarray(rng.normal(size=(t, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(t, kv_heads, d)), jnp.float32) for _ in range(2))
+    return q, k, v, pool, inp, total
+
+
+@pytest.mark.parametrize("chunks", [[(0, 5), (21, 7), (0, 1), (33, 19)], [(0, 9), (0, 4), (0, 3)]],
+                         ids=["context", "fresh"])
+def test_prefill_kernel_through_the_step_tables(chunks):
+    """The engine's packed prefill step (ctx_seq rows, padding tokens, fresh prompts beside later
+    chunks) through tpu_prefill_tables and the TPU kernel equals the step's xla attention."""
+    from slora_jax.engine.attention import paged_attention_xla, tpu_prefill_blocks, tpu_prefill_tables
+    rng = np.random.default_rng(9)
+    q, k, v, pool, inp, total = _engine_prefill(rng, chunks=chunks)
+    table, ctx, seq_starts = tpu_prefill_tables(inp)
+    assert int(seq_starts[-1]) == total
+    out = paged_prefill_attention(q, k, v, pool, table, ctx, seq_starts, blocks=tpu_prefill_blocks(q.shape[0]),
+                                  interpret=True)
+    ref = paged_attention_xla(q, k, v, pool, inp)
+    np.testing.assert_allclose(_np(out)[:total], _np(ref)[:total], rtol=1e-4, atol=1e-4)
