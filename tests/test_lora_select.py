@@ -11,9 +11,9 @@ from slora_jax.lora import selection
 
 # (decode, slots, max_rank, platform, ranksplit_ok) -> backend
 SELECT = [
-    (True, 4, 64, "cpu", True, "xla"),             # off the GPU: one-hot, always
+    (True, 4, 64, "cpu", True, "xla"),             # off the GPU and TPU: one-hot, always
     (False, 64, 64, "cpu", True, "xla"),
-    (True, 128, 8, "tpu", True, "xla"),
+    (True, 128, 8, "tpu", True, "pallas_tpu"),     # a TPU: the Mosaic pair, every step
     (False, 8, 64, "gpu", True, "pallas"),          # prefill: the segment pair, any slots
     (False, 256, 64, "gpu", True, "pallas"),
     (True, 8, 64, "gpu", True, "xla"),              # decode, few slots: one-hot (hybrid_slots(64) == 8)
