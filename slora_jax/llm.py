@@ -7,11 +7,13 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from slora_jax.config import EngineConfig
 from slora_jax.engine.adapter_store import AdapterStore, host_cache_bytes
 from slora_jax.engine.engine import Engine
+from slora_jax.lora import whole_rows_layout
 from slora_jax.model import quant, tp
 from slora_jax.model.config import load_model_config
 from slora_jax.model.tokenizer import load_tokenizer
@@ -67,7 +69,8 @@ class LLM:
         padded = c.baseline is not None and c.baseline.kind == "padded_slots"
         self.store = AdapterStore(self.cfg, self.params["norm"].dtype, c.page_size, c.max_lora_rank, c.max_cpu_loras,
                                   pad_to_max_rank=padded, host_cache_bytes=host_cache_bytes(c.max_cpu_lora_gb),
-                                  tp=c.tensor_parallel_size)
+                                  tp=c.tensor_parallel_size,
+                                  whole_rows=whole_rows_layout(c.lora_backend, jax.default_backend()))
         self.engine = Engine(self.cfg, self.params, dtype, self.store, c, self.max_model_len)
         if adapters:
             self.load_adapters(adapters)

@@ -1,9 +1,12 @@
 """Mixed-rank LoRA shrink and expand for TPU (Mosaic), reading adapters straight from the pool.
 
 A layer's pool, seen as rows, is `rows [N, W]` (W = kv_heads * head_dim). One rank row of an
-adapter's A^T [r, fin] (or B [r, fout]) is `chunks = fin / W` whole pool rows: row j of A^T is the
-rows `a_rows[slot, j * chunks + k]`, k < chunks, each W columns of it. The kernels copy only the
-`rank` rows of chunk k that the slot's real rank needs, so HBM traffic is rank * features, never
+adapter's A^T [r, fin] (or B [r, fout]) is `chunks = ceil(fin / W)` whole pool rows: row j of A^T
+is the rows `a_rows[slot, j * chunks + k]`, k < chunks, each W columns of it. Where fin is not a
+multiple of W (llama-7b's MLP: 11008 against 4096) the last chunk's columns past fin are padding
+(zeros in the engine's layout, slora_jax/model/layout.py); the wrappers pad x (and y) with zero
+columns to whole chunks, so that padding never reaches a result. The kernels copy only the `rank`
+rows of chunk k that the slot's real rank needs, so HBM traffic is rank * features, never
 max_rank * features.
 
 Tokens are grouped by slot: slot s owns tokens [seg_starts[s], seg_starts[s + 1]); tokens past
@@ -151,11 +154,9 @@ def _expand_kernel(item_block, item_slot, bounds, ranks, b_rows, xa_ref, y_ref, 
     out_ref[...] = jnp.where(rows, (out.astype(jnp.float32) + part).astype(out.dtype), out)
 
 
-def _check(rows, features: int):
-    if features % rows.shape[1]:
-        raise ValueError(f"features {features} must be a multiple of the pool's row width {rows.shape[1]} "
-                         "(each rank row of A^T and B is whole pool rows; see docs/tpu.md)")
-    return features // rows.shape[1]
+def _chunks(rows, features: int) -> int:
+    """Pool rows per rank row of a [r, features] matrix: each rank row is whole rows."""
+    return _cdiv(features, rows.shape[1])
 
 
 def _interpret_arg(interpret):
@@ -167,16 +168,16 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
                 interpret=False):
     """xa [T, max_rank] float32: each token's x @ A of its slot's adapter at the slot's rank (zero
     past the rank and for base tokens). x [T, fin]; rows [N, W] the layer's pool rows;
-    a_rows [Sa, >= max_rank * fin / W] int32; ranks [Sa]; seg_starts [Sa + 1].
+    a_rows [Sa, >= max_rank * ceil(fin / W)] int32; ranks [Sa]; seg_starts [Sa + 1].
     interpret: False on a TPU; True (TPU interpret mode on any backend) or an InterpretParams."""
     t, fin = x.shape
     w = rows.shape[1]
-    chunks = _check(rows, fin)
+    chunks = _chunks(rows, fin)
     if w % _LANES and not interpret:  # Mosaic's lane tile; interpret mode (tests' tiny models) takes any width
         raise ValueError(f"the pool's row width {w} must be a multiple of {_LANES} lanes")
     bt = blocks.block_t
     tp, rp = _round_up(t, bt), _round_up(max_rank, 16)
-    x = jnp.pad(x, ((0, tp - t), (0, 0)))
+    x = jnp.pad(x, ((0, tp - t), (0, chunks * w - fin)))  # zero columns: the rows' padding meets zeros
     item_block, item_slot, bounds = segment_plan(seg_starts, tp, bt)
     ranks_ext = jnp.concatenate([jnp.asarray(ranks, jnp.int32), jnp.zeros((1,), jnp.int32)])
     grid = (item_block.shape[0], chunks)
@@ -186,7 +187,7 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=grid,
             # x's whole rows: consecutive items of one block share one copy of it across chunks
-            in_specs=[pl.BlockSpec((bt, fin), lambda i, k, ib, *_: (ib[i], 0)),
+            in_specs=[pl.BlockSpec((bt, chunks * w), lambda i, k, ib, *_: (ib[i], 0)),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((bt, rp), lambda i, k, ib, *_: (ib[i], 0)),
             scratch_shapes=[pltpu.VMEM((2, rp, w), rows.dtype), pltpu.SemaphoreType.DMA((2,))]),
@@ -201,13 +202,13 @@ def lora_shrink(x, rows, a_rows, ranks, seg_starts, *, max_rank: int, blocks: Lo
 def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, blocks: LoraBlocks = LoraBlocks(),
                 interpret=False):
     """y [T, fout] + xa [T, max_rank] @ B of each token's slot at its rank, added in float32 and
-    cast to y's dtype once. xa in the activations' dtype; b_rows [Sa, >= max_rank * fout / W]."""
+    cast to y's dtype once. xa in the activations' dtype; b_rows [Sa, >= max_rank * ceil(fout / W)]."""
     t, fout = y.shape
     w = rows.shape[1]
-    chunks = _check(rows, fout)
+    chunks = _chunks(rows, fout)
     bt = blocks.block_t
     tp, rp = _round_up(t, bt), _round_up(max_rank, 16)
-    y_p = jnp.pad(y, ((0, tp - t), (0, 0)))
+    y_p = jnp.pad(y, ((0, tp - t), (0, chunks * w - fout)))  # the padding columns are dropped after
     xa = jnp.pad(xa, ((0, tp - t), (0, rp - xa.shape[1])))
     item_block, item_slot, bounds = segment_plan(seg_starts, tp, bt)
     ranks_ext = jnp.concatenate([jnp.asarray(ranks, jnp.int32), jnp.zeros((1,), jnp.int32)])
@@ -222,19 +223,20 @@ def lora_expand(y, xa, rows, b_rows, ranks, seg_starts, *, max_rank: int, blocks
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((bt, w), lambda k, i, ib, *_: (ib[i], k)),
             scratch_shapes=[pltpu.VMEM((2, rp, w), rows.dtype), pltpu.SemaphoreType.DMA((2,))]),
-        out_shape=jax.ShapeDtypeStruct((tp, fout), y.dtype),
+        out_shape=jax.ShapeDtypeStruct((tp, chunks * w), y.dtype),
         input_output_aliases={6: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=_interpret_arg(interpret),
     )(item_block, item_slot, bounds, ranks_ext, jnp.asarray(b_rows, jnp.int32), xa, y_p, rows)
-    return out[:t]
+    return out[:t, :fout]
 
 
 def _slot_matrix(rows, slot_rows, max_rank: int, features: int):
-    """[Sa, max_rank, features]: each slot's A^T (or B) from its rows, rank row j = rows j*c..j*c+c-1."""
-    chunks = features // rows.shape[1]
+    """[Sa, max_rank, features]: each slot's A^T (or B) from its rows, rank row j = rows j*c..j*c+c-1
+    (c = ceil(features / W); the columns past features are padding)."""
+    chunks = _chunks(rows, features)
     sa = slot_rows.shape[0]
-    return rows[slot_rows[:, :max_rank * chunks]].reshape(sa, max_rank, features)
+    return rows[slot_rows[:, :max_rank * chunks]].reshape(sa, max_rank, chunks * rows.shape[1])[:, :, :features]
 
 
 def _token_slot(seg_starts, t: int):

@@ -85,8 +85,10 @@ def host_cache_bytes(gb: float | None) -> int:
 class AdapterStore:
     def __init__(self, cfg: ModelConfig, dtype, page_size: int, max_rank: int, host_cache_size: int = 256,
                  *, pad_to_max_rank: bool = False, host_cache_bytes: int | None = None,
-                 stage_workers: int = STAGE_WORKERS, tp: int = 1):
+                 stage_workers: int = STAGE_WORKERS, tp: int = 1, whole_rows: bool = False):
         self.cfg, self.dtype, self.page_size, self.max_rank = cfg, dtype, page_size, max_rank
+        # Each rank row on whole pool rows: the TPU kernels' layout (lora.whole_rows_layout).
+        self.whole_rows = whole_rows
         self.tp = tp  # devices the pool's rows are split over: pack_adapter lays the rows out for them
         # Lay every adapter out at max_rank on every target module (the padded-slots baseline).
         self.pad_rank = max_rank if pad_to_max_rank else None
@@ -217,7 +219,7 @@ class AdapterStore:
     def _load(self, name: str, path) -> tuple[AdapterLayout, np.ndarray]:
         """Read and validate one adapter directory: its layout and packed rows."""
         adapter = load_peft_adapter(path, self.cfg, name=name, max_rank=self.max_rank, dtype=None)  # may raise
-        layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank)
+        layout = AdapterLayout.of(adapter, self.cfg, self.page_size, self.pad_rank, self.whole_rows)
         return layout, pack_adapter(adapter, layout, self.cfg, self.dtype, self.tp)
 
     def _read(self, entry: AdapterEntry):

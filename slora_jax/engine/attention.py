@@ -1,10 +1,11 @@
 """Attention over the unified pool, and the writes of each step's new K/V into it.
 
-`paged_attend(inp)` is the attention callback the model runs in every layer: decode steps take
-the Pallas paged decode kernel (pallas_kernels.paged_attention) under attention_backend
-"pallas", the Mosaic TPU decode kernel (pallas_kernels.tpu.paged_attention) under
-"pallas_tpu", everything else `paged_attention_xla`, the plain-jnp reference beside it. Attention
-only reads the pool; `commit_kv` writes the step's K/V afterwards, in a jit of its own.
+`paged_attend(inp)` is the attention callback the model runs in every layer: under
+attention_backend "pallas" decode steps take the Pallas paged decode kernel
+(pallas_kernels.paged_attention); under "pallas_tpu" decode and packed prefill steps take the
+Mosaic TPU kernels (pallas_kernels.tpu.paged_attention); everything else runs
+`paged_attention_xla`, the plain-jnp reference beside it. Attention only reads the pool;
+`commit_kv` writes the step's K/V afterwards, in a jit of its own.
 
 `inp` is the step's StepInputs (slora_jax.engine.step).
 """
@@ -87,6 +88,31 @@ def paged_attention_xla(q, k, v, pool_layer, inp):
     return out.reshape(q.shape)
 
 
+def tpu_prefill_tables(inp):
+    """The TPU prefill kernel's (page_table [S, P], ctx_lens [S], seq_starts [S + 1]) of a packed
+    prefill step: row s is sequence s. The step's tokens are already grouped by sequence in row
+    order with the padding last (StepInputBuilder.prefill), so seq_starts counts them; with
+    ctx_seq, the rows of the sequences that have context are scattered into a full table."""
+    s = inp.sample_idx.shape[0]
+    seq = jnp.where(inp.token_seq < 0, s, inp.token_seq)  # padding after every sequence
+    seq_starts = jnp.searchsorted(seq, jnp.arange(s + 1), side="left").astype(jnp.int32)
+    if not inp.prefill_context:  # fresh prompts: no pooled page is read
+        return jnp.zeros((s, 1), jnp.int32), jnp.zeros((s,), jnp.int32), seq_starts
+    if inp.ctx_seq is None:
+        return inp.page_table, inp.ctx_lens, seq_starts
+    rows = jnp.where(inp.ctx_seq < 0, s, inp.ctx_seq)  # padding rows fall off the end
+    table = jnp.zeros((s, inp.page_table.shape[1]), jnp.int32).at[rows].set(inp.page_table, mode="drop")
+    ctx = jnp.zeros((s,), jnp.int32).at[rows].set(inp.ctx_lens, mode="drop")
+    return table, ctx, seq_starts
+
+
+def tpu_prefill_blocks(t: int) -> tpu_attention.PrefillBlocks:
+    """Query and key blocks of a packed prefill step of t tokens (a power of two, at least 16):
+    the kernel's default, or one block for a shorter step."""
+    default = tpu_attention.PrefillBlocks()
+    return tpu_attention.PrefillBlocks(min(default.block_q, t), min(default.block_k, t))
+
+
 def write_kv(pool_layer, k, v, kv_slot):
     ps = pool_layer.shape[2]
     page, off = kv_slot // ps, kv_slot % ps
@@ -96,6 +122,9 @@ def write_kv(pool_layer, k, v, kv_slot):
 
 def paged_attend(inp):
     """Attention reads the pool; each layer's new K/V is returned and written by `commit_kv`."""
+    if not inp.decode and inp.attention_backend == "pallas_tpu":
+        tables = tpu_prefill_tables(inp)  # once a step, shared by every layer
+
     def attend(layer, q, k, v, state):
         pool, pending = state
         if inp.decode and inp.attention_backend == "pallas":
@@ -103,7 +132,11 @@ def paged_attend(inp):
         elif inp.decode and inp.attention_backend == "pallas_tpu":
             o = tpu_attention.paged_decode_attention(q, k, v, pool[layer], inp.page_table, inp.ctx_lens,
                                                      interpret=interpret_mode())
-        else:  # packed prefill has no kernel: xla
+        elif inp.attention_backend == "pallas_tpu":  # packed prefill
+            o = tpu_attention.paged_prefill_attention(q, k, v, pool[layer], *tables,
+                                                      blocks=tpu_prefill_blocks(q.shape[0]),
+                                                      interpret=interpret_mode())
+        else:
             o = paged_attention_xla(q, k, v, pool[layer], inp)
         return o, (pool, pending + ((k, v),))
     return attend

@@ -28,7 +28,7 @@ import numpy as np
 
 from slora_jax.config import EngineConfig
 from slora_jax.lora.selection import tpu_unavailable
-from slora_jax.lora import LoraInputs, check_backend, plan as plan_lora, slot_bucket, step_backend
+from slora_jax.lora import LoraInputs, check_backend, plan as plan_lora, slot_bucket, step_backend, whole_rows_layout
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
@@ -38,7 +38,7 @@ from slora_jax.engine.metrics import EngineMetrics, PhaseTimer, StepCostModel
 from slora_jax.engine.pool import RegionPool, UnifiedPool
 from slora_jax.engine.scheduler import MAX_PREFILL_SEQS, Plan, Request, Scheduler
 from slora_jax.model import tp as tp_mod
-from slora_jax.model.config import ModelConfig
+from slora_jax.model.config import TARGET_MODULES, ModelConfig
 from slora_jax.model.layout import AdapterLayout, page_rows
 from slora_jax.request import RequestOutput, new_request_id, stop_ids
 from slora_jax.sampling import SamplingParams
@@ -135,6 +135,11 @@ class Engine:
                  max_model_len: int, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.params, self.dtype, self.store, self.config = cfg, params, jnp.dtype(dtype), store, config
         self.opts = LoraChoices.resolve(config)  # "auto" resolved: what steps run LoRA and attention on
+        whole = whole_rows_layout(config.lora_backend, self.opts.platform)
+        if store.whole_rows != whole and any(f % cfg.kv_size for m in TARGET_MODULES for f in cfg.module_shape(m)):
+            raise ValueError(f"lora_backend={config.lora_backend!r} reads adapters laid out "
+                             f"{'with each rank row on whole pool rows' if whole else 'flat'}; the store lays them "
+                             f"out otherwise (AdapterStore(..., whole_rows={whole}))")
         # Tensor parallel: the weights placed over the mesh, the pool split along W (slora_jax.model.tp).
         tp = config.tensor_parallel_size
         self.tp = tp_mod.TP.make(tp, cfg) if tp > 1 else None
@@ -203,7 +208,7 @@ class Engine:
             if self.store.pad_rank != self.config.max_lora_rank:
                 raise ValueError("the padded_slots baseline needs an AdapterStore that lays adapters out at "
                                  "max_lora_rank (AdapterStore(..., pad_to_max_rank=True))")
-            slot = AdapterLayout.of(None, self.cfg, self.ps, self.config.max_lora_rank).pages
+            slot = AdapterLayout.of(None, self.cfg, self.ps, self.config.max_lora_rank, self.store.whole_rows).pages
             region = baseline.size * slot
         if region > num_pages - 2:
             what = f"{baseline.size} slots of {slot} pages" if slot else f"{region} adapter pages"

@@ -132,7 +132,8 @@ class AdapterSlots:
         """Pool rows of a module's A^T and of its B at max_lora_rank (a slot's row-index widths)."""
         rank, width = self.max_lora_rank, self.cfg.kv_size
         fin, fout = self.cfg.module_shape(module)
-        return rows_needed(rank, fin, width), rows_needed(rank, fout, width)
+        whole = self.store.whole_rows
+        return rows_needed(rank, fin, width, whole), rows_needed(rank, fout, width, whole)
 
     def module_sets(self) -> list[tuple[str, ...]]:
         """The module sets a LoRA step can carry: the registered adapters' modules within the

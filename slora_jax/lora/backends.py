@@ -13,7 +13,8 @@ module's LoRA delta into the base projection's output y. Three backends:
   others keep the Pallas pair. q, k and v go to the kernel together or not at all (the pair shrinks
   them in one launch).
 - TpuBackend ("pallas_tpu"): the Mosaic TPU pair (pallas_kernels.tpu.lora): one shrink and one
-  expand a module, work items built inside the jit from seg_starts; no host tables. Off a TPU it
+  expand a module, work items built inside the jit from seg_starts; no host tables. It reads the
+  whole-rows layout (slora_jax.model.layout), which the store takes under this backend. Off a TPU it
   runs only in TPU interpret mode (SLORA_TPU_INTERPRET=1, for tests; pallas_kernels.tpu).
 """
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from pallas_kernels.lora_schedule import BLOCK_T
 from slora_jax.model.config import QKV_MODULES
+from slora_jax.model.layout import matrix_rows
 
 QKV = QKV_MODULES  # modules that read the same x: one grouped shrink (Pallas)
 
@@ -17,7 +18,8 @@ class LoraInputs:
     """The batch's distinct adapters (slots), padded to a bucket of Sa slots and rank R.
 
     rows[module] = (A rows [Sa, RA], B rows [Sa, RB]): row indices into a layer's row view of the
-    pool, RA = ceil(R * in / W); ranks[module] [Sa] (0: the adapter does not target the module).
+    pool, RA = ceil(R * in / W) (R * ceil(in / W) in the whole-rows layout); ranks[module] [Sa]
+    (0: the adapter does not target the module).
     token_slot [T]: the slot of each token's adapter, -1 for base-model tokens; tokens are grouped
     by slot, so seg_starts [Sa+1] gives slot s the tokens [seg_starts[s], seg_starts[s+1]).
     backend: "xla", "pallas" or "ranksplit" (slora_jax.lora.backends).
@@ -74,6 +76,7 @@ def shrink_launches(ranks: dict) -> dict:
     return dict(ranks)
 
 
-def rows_needed(rank: int, features: int, width: int) -> int:
-    """Pool rows of width `width` that a [rank, features] matrix fills, flattened."""
-    return -(-rank * features // width)
+def rows_needed(rank: int, features: int, width: int, whole_rows: bool = False) -> int:
+    """Pool rows of width `width` that a [rank, features] matrix fills: flattened, or (whole_rows,
+    the TPU kernels' layout) each rank row on whole rows (slora_jax.model.layout.matrix_rows)."""
+    return matrix_rows(rank, features, width, whole_rows)

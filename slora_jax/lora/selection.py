@@ -93,6 +93,13 @@ def check_backend(option: str, platform: str) -> None:
         raise ValueError(f"lora_backend='pallas_tpu' {reason}; use 'auto', 'pallas' or 'xla'")
 
 
+def whole_rows_layout(option: str, platform: str) -> bool:
+    """Whether adapters are laid out with each rank row on whole pool rows (slora_jax.model.layout):
+    when every step runs the TPU kernels, "pallas_tpu" or "auto" on a TPU. The other backends read
+    the flat layout; the two differ only for matrices whose features are not whole pool rows."""
+    return option == "pallas_tpu" or (option == "auto" and platform == "tpu")
+
+
 def step_backend(option: str, decode: bool, slots: int, tokens: int, max_rank: int, platform: str,
                  sharded: bool = False) -> str:
     """The backend of one step under lora_backend `option`: select() for "auto", else the forced

@@ -98,13 +98,16 @@ def shard_params(params, tp: TP):
             else put(v, specs[k]) for k, v in params.items()}
 
 
-def split_columns(mat: np.ndarray, rows: int, width: int, size: int) -> np.ndarray:
+def split_columns(mat: np.ndarray, rows: int, width: int, size: int, whole_rows: bool = False) -> np.ndarray:
     """mat [r, f] as `rows` pool rows [rows, width] in which device d's columns (a block of
     width / size) hold mat[:, its f / size slice] flattened row-major: the layout the kernels read
-    on each device. size 1: mat flattened into rows, the single-device layout."""
+    on each device. size 1: mat flattened into rows, the single-device layout. whole_rows: each
+    rank row of a device's slice padded with zeros to whole rows of its columns (layout.py)."""
     r, f = mat.shape
     fl, wl = f // size, width // size
+    cols = -(-fl // wl) * wl if whole_rows else fl  # a device's columns per rank row
     out = np.zeros((size, rows * wl), mat.dtype)
     for d in range(size):
-        out[d, :r * fl] = mat[:, d * fl:(d + 1) * fl].reshape(-1)
+        part = out[d, :r * cols].reshape(r, cols)
+        part[:, :fl] = mat[:, d * fl:(d + 1) * fl]
     return out.reshape(size, rows, wl).transpose(1, 0, 2).reshape(rows, width)
