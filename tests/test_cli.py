@@ -109,12 +109,16 @@ def test_chat_template(built, capsys, tmp_path):
     template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
     f = tmp_path / "t.jinja"
     f.write_text(template)
-    assert built(["tiny", "--chat-template", str(f)])[2]["chat_template"] == template
-    assert built(["tiny", "--chat-template", template])[2]["chat_template"] == template
-    assert built(["tiny"])[2]["chat_template"] is None
-    refused(capsys, ["tiny", "--chat-template", str(tmp_path / "missing.jinja")],
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")  # only looked for: FakeLLM loads nothing
+    assert built([str(model), "--chat-template", str(f)])[2]["chat_template"] == template
+    assert built([str(model), "--chat-template", template])[2]["chat_template"] == template
+    assert built([str(model)])[2]["chat_template"] is None
+    refused(capsys, [str(model), "--chat-template", str(tmp_path / "missing.jinja")],
             "is neither a file nor a Jinja template")
-    refused(capsys, ["tiny", "--chat-template", "{% for m in messages %}"], "not a valid Jinja template")
+    refused(capsys, [str(model), "--chat-template", "{% for m in messages %}"], "not a valid Jinja template")
+    refused(capsys, ["tiny", "--chat-template", template], "the model has no tokenizer.json")
 
 
 def test_several_names_and_keys(built, capsys, monkeypatch):

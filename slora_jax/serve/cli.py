@@ -247,6 +247,8 @@ def check_args(args: argparse.Namespace) -> None:
             ChatFormatter.compile_template(args.chat_template)
         except jinja2.TemplateError as e:
             raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+        if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
+            raise ValueError("--chat-template: the model has no tokenizer.json, so it cannot chat")
     if args.lora_search_dirs:
         allowed = [os.path.realpath(d) for d in args.allowed_adapter_dirs or []]
         for d in args.lora_search_dirs:
