@@ -179,12 +179,7 @@ class LLM:
                                    and isinstance(m.get("content"), str) for m in conv):
                 raise ValueError("each conversation must be a non-empty list of "
                                  "{'role': str, 'content': str} messages")
-        fmt = ChatFormatter(self.model, self.tokenizer)
-        if chat_template is not None:
-            fmt.template = fmt.compile_template(chat_template)
-            if fmt._raw is None:
-                from tokenizers import Tokenizer as HFTokenizer
-                fmt._raw = HFTokenizer.from_file(str(Path(self.model) / "tokenizer.json"))
+        fmt = ChatFormatter(self.model, self.tokenizer, chat_template)
         return self.generate([fmt.encode(list(conv)) for conv in convs], sampling_params, adapter,
                              lora_request=lora_request)
 

@@ -132,7 +132,7 @@ def test_chat_renders_like_the_server(demo):
     assert got.prompt_token_ids == want.prompt_token_ids and got.token_ids == want.token_ids
     templated = llm.chat([messages, messages], GREEDY,
                          chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")
-    assert templated[0].prompt_token_ids == llm.tokenizer._tok.encode("<hi there>", add_special_tokens=False).ids
+    assert templated[0].prompt_token_ids == llm.tokenizer.encode("<hi there>", add_special_tokens=False)
     with pytest.raises(ValueError, match="conversation"):
         llm.chat([{"role": "user"}])
 

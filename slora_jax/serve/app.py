@@ -16,8 +16,9 @@ Routes (vLLM's names and shapes where vLLM has them):
                                   seconds of steps by phase (slora_engine_step_phase_seconds)
     GET  /stats                   Engine.stats() as JSON, read on the engine thread
 
-`model` in a request is the base model's name (--served-model-name) or an adapter's name; omitted,
-it is the base model. With an API key, every route wants `Authorization: Bearer <key>` except
+`model` in a request is one of the base model's names (--served-model-name) or an adapter's name
+(with --lora-search-dirs, loaded on first use: first_use.py); omitted, it is the base model. With
+API keys, every route wants `Authorization: Bearer <key>` (any of the keys) except
 /health and /metrics, which stay open for probes and scrapers, as in vLLM. /metrics labels its
 counters by adapter name, as vLLM does: a scraper sees which adapters are in use. No response holds
 an absolute server path: adapters show their path relative to their --allowed-adapter-dirs entry,
@@ -65,6 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from slora_jax.sampling import SamplingParams
 from slora_jax.serve.async_engine import AsyncEngine, EngineError, EngineMetrics
 from slora_jax.serve.chat import ChatFormatter
+from slora_jax.serve.first_use import FirstUseLoader
 from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
                                     UnloadAdapterRequest, request_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
@@ -82,41 +84,42 @@ log = logging.getLogger(__name__)
 class Server:
     """The state behind one FastAPI app: the LLM, its AsyncEngine, metrics and options."""
 
-    def __init__(self, llm, served_model_name: str, api_key: str | None = None,
+    def __init__(self, llm, served_model_name: str | list[str] | None, api_key: str | list[str] | None = None,
                  allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096,
-                 request_timeout: float = 30.0):
+                 request_timeout: float = 30.0, lora_search_dirs: list[str] | None = None,
+                 chat_template: str | None = None):
         from prometheus_client import CollectorRegistry, Counter
         self.llm = llm
-        self.base = served_model_name
-        self.api_key = api_key
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        names = names or [Path(str(llm.model)).name]
+        self.base, self.base_names = names[0], set(names)  # the name reported; every name accepted
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         self.request_timeout = request_timeout
         self.draining = False  # set by drain(): new requests get 503
         self.allowed = [os.path.realpath(d) for d in (allowed_adapter_dirs or [])]
         self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry, served_model_name)
+        self.metrics = EngineMetrics(self.registry, self.base)
         self.http_responses = Counter("slora_http_responses", "HTTP responses by status", ["status"],
                                       registry=self.registry)
         self.engine = AsyncEngine(llm, self.metrics, max_in_flight)
+        self.first_use = FirstUseLoader(llm, self.engine, self.allowed, lora_search_dirs or [])
         self.registry.register(_EngineCollector(self))
         self.limits = Limits(llm)
-        self.chat = ChatFormatter(llm.model if Path(llm.model).is_dir() else None, llm.tokenizer)
+        self.chat = ChatFormatter(llm.model if Path(llm.model).is_dir() else None, llm.tokenizer, chat_template)
         self.created = int(time.time())
-        self._pieces = None
-        if llm.tokenizer is not None and Path(llm.model).is_dir():
-            from tokenizers import Tokenizer as HFTokenizer
-            self._pieces = HFTokenizer.from_file(str(Path(llm.model) / "tokenizer.json"))
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def resolve_model(self, body: dict) -> str | None:
-        """The adapter a request asks for (None: the base model); 404 for an unknown name."""
+    async def resolve_model(self, body: dict) -> str | None:
+        """The adapter a request asks for (None: the base model); an unregistered name is loaded
+        from --lora-search-dirs (first_use.py), else 404."""
         model = body.get("model")
-        if model is None or model == self.base:
+        if model is None or model in self.base_names:
             return None
         if not isinstance(model, str):
             raise bad(f"model must be a string, got {json.dumps(model)}", "model", "invalid_type")
         if model not in self.llm.store.entries:
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+            await self.first_use.load(model)
         return model
 
     def shown_path(self, path: str, name: str) -> str:
@@ -144,7 +147,8 @@ class Server:
                 await self.engine.abort_in_flight("the server is shutting down")
 
     def piece(self, t: int) -> str:
-        p = self._pieces.id_to_token(t) if self._pieces is not None else None
+        tok = self.llm.tokenizer
+        p = tok.hf.id_to_token(t) if tok is not None else None
         return p if p is not None else f"token_id:{t}"
 
     # -- generation ----------------------------------------------------------------------------
@@ -256,7 +260,7 @@ class _AuthAndCount:
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server
-        self.key = f"Bearer {server.api_key}".encode() if server.api_key else None
+        self.keys = [f"Bearer {k}".encode() for k in server.api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -269,9 +273,10 @@ class _AuthAndCount:
             await send(message)
 
         open_route = scope["path"] in OPEN_ROUTES
-        if self.key is not None and not open_route:
+        if self.keys and not open_route:
             got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.key):
+            # every key is compared, so the time taken does not tell which one nearly matched
+            if not sum(hmac.compare_digest(got, key) for key in self.keys):
                 msg = "missing API key: send Authorization: Bearer <key>" if not got else "invalid API key"
                 err = APIError(401, msg, None, "invalid_api_key")
                 return await err.response()(scope, receive, counting_send)
@@ -280,16 +285,19 @@ class _AuthAndCount:
         return await self.app(scope, receive, counting_send)
 
 
-def build_app(llm, served_model_name: str | None = None, *, api_key: str | None = None,
+def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key: str | list[str] | None = None,
               allowed_adapter_dirs: list[str] | None = None, max_in_flight: int | None = 4096,
-              request_timeout: float = 30.0):
+              request_timeout: float = 30.0, lora_search_dirs: list[str] | None = None,
+              chat_template: str | None = None):
     """The FastAPI app over `llm`. The engine thread starts and stops with the app's lifespan.
 
     `app.state.server` is the `Server` (its `.engine` is the AsyncEngine, `.llm` the LLM).
-    request_timeout: seconds a client has to send a request body (then 408)."""
+    served_model_name and api_key: one or several (the first name is reported; any name and key is
+    accepted). lora_search_dirs: adapters on first use. chat_template: a Jinja source in place of
+    the tokenizer's. request_timeout: seconds a client has to send a request body (then 408)."""
 
-    srv = Server(llm, served_model_name or Path(str(llm.model)).name, api_key, allowed_adapter_dirs,
-                 max_in_flight, request_timeout)
+    srv = Server(llm, served_model_name, api_key, allowed_adapter_dirs, max_in_flight, request_timeout,
+                 lora_search_dirs, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -458,14 +466,14 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         body = await json_body(request)
-        adapter = srv.resolve_model(body)
+        adapter = await srv.resolve_model(body)
         prompts = await asyncio.to_thread(parse_prompts, body, srv.llm.tokenizer, srv.limits)
         return await generate(request, body, prompts, adapter, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await json_body(request)
-        adapter = srv.resolve_model(body)
+        adapter = await srv.resolve_model(body)
         messages = parse_messages(body)
         if srv.llm.tokenizer is None:
             raise bad("this model has no tokenizer.json, so it cannot chat; use /v1/completions with "
@@ -513,7 +521,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
                       "lora_name", "invalid_type" if not isinstance(name, str) else "invalid_value")
         if not isinstance(path, str) or not path:
             raise bad("lora_path must be a non-empty string", "lora_path", "invalid_type")
-        if name == srv.base:
+        if name in srv.base_names:
             raise bad(f"{name!r} is the base model's name", "lora_name")
         inplace = get_bool(body, "load_inplace")
         exists = bad(f"The lora adapter '{name}' has already been loaded; pass load_inplace: true to "
@@ -546,7 +554,7 @@ def build_app(llm, served_model_name: str | None = None, *, api_key: str | None 
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise bad("lora_name must be a non-empty string", "lora_name", "invalid_type")
-        if name == srv.base:
+        if name in srv.base_names:
             raise bad("the base model cannot be unloaded", "lora_name")
         try:
             await srv.engine.call(lambda: srv.llm.unload_adapter(name))

@@ -1,7 +1,7 @@
 """Chat messages -> prompt token ids.
 
-With a chat template (tokenizer_config.json's `chat_template`, else a chat_template.jinja file
-beside it), the messages are rendered with jinja2 in a sandbox as Hugging Face does (messages,
+With a chat template (the one given, as `serve --chat-template` gives it; else
+tokenizer_config.json's `chat_template`, else a chat_template.jinja file beside it), the messages are rendered with jinja2 in a sandbox as Hugging Face does (messages,
 add_generation_prompt=True, bos_token, eos_token) and tokenized without adding special tokens: the
 template writes its own. Without one, each message is a line "{role}: {content}\\n", then
 "assistant:", tokenized with the tokenizer's special tokens (BOS).
@@ -17,21 +17,25 @@ from slora_jax.serve.protocol import bad
 
 
 class ChatFormatter:
-    def __init__(self, model_dir: str | None, tokenizer):
+    """`tokenizer`: the model's `slora_jax.model.tokenizer.Tokenizer` (its parsed tokenizer.json is
+    used as is); `template`: a Jinja source in place of the model directory's."""
+
+    def __init__(self, model_dir: str | None, tokenizer, template: str | None = None):
         self.tokenizer = tokenizer
         self.template = None
         self.special: dict[str, str] = {}
-        self._raw = None
-        if model_dir is None or tokenizer is None:
+        if tokenizer is None:
+            if template is not None:
+                raise ValueError("--chat-template: this model has no tokenizer.json, so it cannot chat")
             return
-        cfg_file = Path(model_dir) / "tokenizer_config.json"
-        jinja_file = Path(model_dir) / "chat_template.jinja"  # where newer checkpoints (Qwen3) keep it
-        conf = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        tmpl = conf.get("chat_template")
+        cfg_file = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+        conf = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else {}
+        tmpl = template or conf.get("chat_template")
         if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
             tmpl = named.get("default") or next(iter(named.values()), None)
-        if not tmpl and jinja_file.is_file():
+        jinja_file = Path(model_dir) / "chat_template.jinja" if model_dir is not None else None
+        if not tmpl and jinja_file is not None and jinja_file.is_file():  # where newer checkpoints (Qwen3) keep it
             tmpl = jinja_file.read_text()
         if not tmpl:
             return
@@ -42,8 +46,6 @@ class ChatFormatter:
             if isinstance(v, str):
                 self.special[key] = v
         self.template = self.compile_template(tmpl)
-        from tokenizers import Tokenizer as HFTokenizer
-        self._raw = HFTokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
     @staticmethod
     def compile_template(source: str):
@@ -77,4 +79,4 @@ class ChatFormatter:
         text = self.render(messages)
         if self.template is None:
             return self.tokenizer.encode(text)
-        return self._raw.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -48,6 +48,7 @@ ENGINE_FLAGS = {
 }
 CHOICES = {"lora_backend": LORA_BACKENDS, "attention_backend": ATTENTION_BACKENDS,
            "admission_order": ADMISSION_ORDERS}
+DTYPES = ("bfloat16", "float16", "float32")
 TYPES = {"int": int, "float": float, "str": lambda v: v or None}
 
 # The embedded default (no --model): the tiny demo model on a CPU, with what fits it.
@@ -81,21 +82,66 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_lora_modules(items: list[str] | None) -> dict[str, str]:
-    """--lora-modules: each item name=path or '{"name": ..., "path": ...}'."""
+    """--lora-modules: each item name=path, or vLLM's JSON form
+    '{"name": ..., "path": ..., "base_model_name": ...}' (base_model_name is accepted and not used:
+    every adapter here applies to the one base model)."""
     out = {}
     for item in items or []:
         if item.lstrip().startswith("{"):
             try:
                 d = json.loads(item)
-                out[d["name"]] = d["path"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"--lora-modules: {item!r} is not a JSON object with name and path") from None
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+                raise ValueError(f"--lora-modules: {item!r} is not a JSON object with string name and path")
+            unknown = sorted(set(d) - {"name", "path", "base_model_name"})
+            if unknown:
+                raise ValueError(f"--lora-modules: {item!r} has unknown keys {', '.join(unknown)} "
+                                 "(expected name, path, base_model_name)")
+            name, path = d["name"], d["path"]
         elif "=" in item:
             name, path = item.split("=", 1)
-            out[name] = path
         else:
             raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {item!r}")
+        if not name or not path:
+            raise ValueError(f"--lora-modules: {item!r} needs a non-empty name and path")
+        if name in out:
+            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+        out[name] = path
     return out
+
+
+def auto_dtype(model: str) -> str:
+    """--dtype auto: config.json's torch_dtype (or dtype) for a model directory, bfloat16 for a
+    configs/models shape or a config without one."""
+    cfg = Path(model) / "config.json"
+    if not cfg.is_file():
+        return "bfloat16"
+    try:
+        d = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--dtype auto: cannot read {cfg}: {e}") from None
+    dtype = d.get("torch_dtype") or d.get("dtype") if isinstance(d, dict) else None
+    if dtype is None:
+        return "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype auto: config.json's torch_dtype {dtype!r} is not one of {', '.join(DTYPES)}; "
+                         "give --dtype")
+    return dtype
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it reads as an inline Jinja
+    template (it holds '{' or a newline), as vLLM decides."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value}: {e}") from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def at_least(lo: int):
@@ -127,13 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="slora-jax serve", description="OpenAI-compatible server for one base "
                                  "model and many LoRA adapters. Without --model: the embedded default (the "
                                  "tiny demo model with generated adapters).")
-    ap.add_argument("--model", default=None, help="HF model directory or a configs/models shape name")
-    ap.add_argument("--served-model-name", default=None, help="the base model's name in the API "
-                    "(default: --model as given; 'tiny' for the embedded default)")
+    ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="HF model directory or a configs/models shape name (as `vllm serve MODEL`)")
+    ap.add_argument("--model", default=None, help="the same as MODEL; give one of them")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the base model's names in the API: the first is the name reported, every one is "
+                    "accepted as `model` (default: the model as given; 'tiny' for the embedded default)")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="accepted for vLLM compatibility and changes nothing: LoRA adapters are always on")
     ap.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                    help="adapters registered at start-up: name=path or '{\"name\": ..., \"path\": ...}'")
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                    help="default bfloat16 (float32 for the embedded default)")
+                    help="adapters registered at start-up: name=path or vLLM's "
+                    "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    ap.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
+                    help="auto: config.json's torch_dtype (bfloat16 for a configs/models shape); "
+                    "default bfloat16 (float32 for the embedded default)")
+    ap.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                    help="the chat template for /v1/chat/completions, in place of the tokenizer's: a file, "
+                    "or an inline Jinja template")
     ap.add_argument("--quantization", default=None, choices=["int8"],
                     help="int8: the base model's projection weights in int8 with per-row scales (half their "
                     "memory, which goes to the page pool); default: the model's dtype")
@@ -144,12 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     http = ap.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=at_least(0), default=8000)
-    http.add_argument("--api-key", default=os.environ.get("SLORA_API_KEY"),
-                      help="require Authorization: Bearer <key> on every route except /health and /metrics, "
-                      "which stay open for probes and scrapers as in vLLM (env SLORA_API_KEY)")
+    key = os.environ.get("SLORA_API_KEY")
+    http.add_argument("--api-key", nargs="+", default=[key] if key else None, metavar="KEY",
+                      help="require Authorization: Bearer <key> (any of the keys given) on every route except "
+                      "/health and /metrics, which stay open for probes and scrapers as in vLLM "
+                      "(env SLORA_API_KEY)")
     http.add_argument("--allowed-adapter-dirs", nargs="+", default=None, metavar="DIR",
-                      help="directories that /v1/load_lora_adapter may load from (default: none, loading "
-                      "at run time is off)")
+                      help="directories that /v1/load_lora_adapter and --lora-search-dirs may load from "
+                      "(default: none, loading at run time is off)")
+    http.add_argument("--lora-search-dirs", nargs="+", default=None, metavar="DIR",
+                      help="a request whose model is no registered name but a directory <DIR>/<model> holding a "
+                      "PEFT adapter loads it on first use; each DIR must lie inside --allowed-adapter-dirs")
     http.add_argument("--max-queued-requests", type=at_least(0), default=4096,
                       help="requests in flight beyond --max-num-seqs before new ones get 429")
     http.add_argument("--request-timeout", type=positive_float, default=30.0,
@@ -169,6 +230,42 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Flag checks argparse cannot make; a ValueError names the flag. Fills args.model from MODEL,
+    and replaces args.chat_template with the template's text."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one of them")
+    args.model = args.model or args.model_tag
+    for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
+        if values is not None and not all(values):
+            raise ValueError(f"{flag} values must be non-empty")
+    if args.chat_template is not None:
+        args.chat_template = read_chat_template(args.chat_template)
+        import jinja2
+        from slora_jax.serve.chat import ChatFormatter
+        try:
+            ChatFormatter.compile_template(args.chat_template)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+        if args.model is not None and not (Path(args.model) / "tokenizer.json").is_file():
+            raise ValueError("--chat-template: the model has no tokenizer.json, so it cannot chat")
+    if args.lora_search_dirs:
+        allowed = [os.path.realpath(d) for d in args.allowed_adapter_dirs or []]
+        for d in args.lora_search_dirs:
+            real = os.path.realpath(d)
+            if not any(os.path.commonpath([real, root]) == root for root in allowed):
+                raise ValueError(f"--lora-search-dirs: {d} is not inside --allowed-adapter-dirs")
+            if not os.path.isdir(real):
+                raise ValueError(f"--lora-search-dirs: {d} is not a directory")
+    if args.replicas:
+        if len(args.served_model_name or []) > 1 or len(args.api_key or []) > 1:
+            raise ValueError("--replicas takes one --served-model-name and one --api-key")
+        if args.lora_search_dirs or args.chat_template is not None:
+            raise ValueError("--lora-search-dirs and --chat-template are not available with --replicas")
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(args.model) if args.model is not None else None
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields given on the command line, by field name."""
     return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
@@ -177,15 +274,17 @@ def engine_options(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
-    engine = engine_options(args)
-    if args.model is None:
-        engine = {**DEMO_ENGINE, **engine}
     try:
+        check_args(args)
+        engine = engine_options(args)
+        if args.model is None:
+            engine = {**DEMO_ENGINE, **engine}
         adapters = parse_lora_modules(args.lora_modules)
         config = EngineConfig(**engine)
     except ValueError as e:
         ap.error(flag_message(str(e)))
-    model, name, dtype = args.model, args.served_model_name, args.dtype
+    names = args.served_model_name or []
+    model, name, dtype = args.model, names[0] if names else None, args.dtype
     if model is None:  # the embedded default: the tiny model on dummy weights, up in seconds
         from slora_jax.demo import prepare
         model_dir, demo_adapters = prepare(Path.home() / ".cache" / "slora_jax" / "demo", DEMO_ADAPTERS, 0)
@@ -196,9 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         from slora_jax.serve.replicas import from_cli, serve_forever
         return serve_forever(from_cli(args, model, name, dtype or "bfloat16", adapters, engine), args.host,
                              args.port, args.replicas, name or args.model)
-    from slora_jax import LLM
-    llm = LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed, quantization=args.quantization,
-              max_model_len=args.max_model_len, **engine)
+    import slora_jax
+    try:
+        llm = slora_jax.LLM(model, adapters=adapters, dtype=dtype or "bfloat16", seed=args.seed,
+                            quantization=args.quantization, max_model_len=args.max_model_len, **engine)
+    except (ValueError, OSError) as e:  # a missing model or adapter, a bad config: no traceback
+        ap.error(f"cannot start: {e}".replace("\n", " "))
     # Every step bucket up to max_model_len. The embedded default's adapters target mixed module
     # sets, so few of its batches would meet the union's LoRA buckets: its warm-up compiles the
     # base model's only.
@@ -208,9 +310,13 @@ def main(argv: list[str] | None = None) -> None:
     elif args.warmup == "background":  # listed here, before the engine thread runs steps
         from slora_jax.engine import warmup as warmup_mod
         shapes = llm.engine.warmup_shapes(warmup["max_context"], warmup["lora"])
-    app = build_app(llm, name or args.model, api_key=args.api_key, allowed_adapter_dirs=args.allowed_adapter_dirs,
-                    max_in_flight=config.max_num_seqs + args.max_queued_requests,
-                    request_timeout=args.request_timeout)
+    try:
+        app = build_app(llm, [name or args.model, *names[1:]], api_key=args.api_key,
+                        allowed_adapter_dirs=args.allowed_adapter_dirs, lora_search_dirs=args.lora_search_dirs,
+                        chat_template=args.chat_template, max_in_flight=config.max_num_seqs + args.max_queued_requests,
+                        request_timeout=args.request_timeout)
+    except ValueError as e:
+        ap.error(str(e))
 
     import uvicorn
     sock = bind(args.host, args.port)

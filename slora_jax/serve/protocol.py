@@ -492,6 +492,8 @@ class Choice:
         self.error = ""
         self.error_code = "non_finite_output"
         self._hold = max((len(s) for s in stop), default=1) - 1  # text held back: a stop string may start there
+        self._decoded = ""  # the text of the tokens so far, stop strings not applied
+        self._stream = tokenizer.decode_stream(skip_special_tokens) if tokenizer is not None else None
 
     def feed(self, d: Delta) -> tuple[str, list[int], list[float]]:
         """New text, token ids and logprobs to send for delta `d` (stop strings applied)."""
@@ -513,10 +515,14 @@ class Choice:
             self.finish_reason, self.abort_reason = d.finish_reason, d.abort_reason
         if d.finish_reason == "error":  # the engine could not serve this request alone
             self.error, self.error_code = hide_paths(d.abort_reason or "the request failed"), d.error_code
-        if self.tok is not None:
-            # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown.
-            shown = self.token_ids[:-1] if d.finish_reason == "stop" else self.token_ids
-            full = self.tok.decode(shown, self.skip_special)
+        if self._stream is not None:
+            # As LLM.generate: a stop token (EOS or stop_token_ids) ends the text, unshown. Only
+            # the new tokens are decoded (a window around them), never the whole output.
+            shown = d.token_ids[:-1] if d.finish_reason == "stop" else d.token_ids
+            self._decoded += self._stream.step(shown)
+            if finished:
+                self._decoded += self._stream.finish()
+            full = self._decoded
             end = len(full)
             if self.stop and len(self.token_ids) >= self.min_tokens:  # as vLLM: none before min_tokens
                 floor = self._min_tokens_chars()
@@ -527,10 +533,8 @@ class Choice:
                     full = full[:end]
                     self.finish_reason, finished = "stop", True
             if not finished:
-                while end > t0 and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                    end -= 1
                 end = max(t0, min(end, len(full) - self._hold))
-            self.text = full[:end]
+            self.text += full[t0:end]
         return self.text[t0:], self.token_ids[n0:], self.logprobs[n0:]
 
     def _min_tokens_chars(self) -> int:

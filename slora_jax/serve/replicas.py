@@ -454,7 +454,8 @@ def from_cli(args, model: str, name: str | None, dtype: str, adapters: dict, eng
     warmup = None if args.warmup == "off" else {"max_context": args.max_model_len, "workers": args.warmup_workers,
                                                 "lora": args.model is not None}
     llm_options = {"seed": args.seed, "quantization": args.quantization, "max_model_len": args.max_model_len}
-    return build(model, args.replicas, adapters, name or args.model, dtype, engine, llm_options, args.api_key,
+    api_key = (args.api_key or [None])[0]  # cli.check_args allows one with --replicas
+    return build(model, args.replicas, adapters, name or args.model, dtype, engine, llm_options, api_key,
                  args.allowed_adapter_dirs, warmup)
 
 
@@ -486,10 +487,12 @@ def app(args: dict):
     if unknown:
         raise ValueError(f"slora_jax.serve.replicas:app: unknown arguments {unknown}; the keys are "
                          "slora-jax serve's flags")
+    from slora_jax.serve.cli import check_args
+    check_args(parsed)  # raises ValueError naming the flag
     if parsed.model is None or parsed.replicas is None:
         raise ValueError("slora_jax.serve.replicas:app needs model=<HF directory or configs/models shape> "
                          "and replicas=<N>")
-    return from_cli(parsed, parsed.model, parsed.served_model_name, parsed.dtype or "bfloat16",
+    return from_cli(parsed, parsed.model, (parsed.served_model_name or [None])[0], parsed.dtype or "bfloat16",
                     parse_lora_modules(parsed.lora_modules), engine_options(parsed))
 
 
