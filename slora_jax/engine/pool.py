@@ -218,11 +218,6 @@ class UnifiedPool:
         self.page_refs[page] = 1
         return True
 
-    def clear_prefix_cache(self) -> None:
-        """Take every page out of the prefix cache (their K/V can no longer be trusted)."""
-        for adapter in list(self.prefix.by_adapter):
-            self.retire_prefix(adapter)
-
     def retire_prefix(self, adapter: Hashable) -> None:
         """Take an adapter version's pages out of the cache: idle ones are freed now, pages in use
         once their last request lets go. No later request hits them."""
