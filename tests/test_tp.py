@@ -68,7 +68,7 @@ def test_pack_adapter_split_holds_the_same_matrices(tmp_path):
                 np.testing.assert_array_equal(two[layer, row:row + n], tp.split_columns(mat, n, width, 2))
 
 
-def test_tensor_parallel_options():
+def test_tensor_parallel_options(capsys):
     """Clear errors: a split that does not divide the model, a split size that is not a positive
     integer, and more devices than there are."""
     from slora_jax import LLM
@@ -81,9 +81,10 @@ def test_tensor_parallel_options():
     with pytest.raises(ValueError, match="needs 2 devices"):
         LLM("tiny", dtype="float32", pool_pages=16, tensor_parallel_size=2)  # this process has one device
     server = pytest.importorskip("slora_jax.serve.cli", reason="the server's dependencies (fastapi) are not installed")
-    with pytest.raises(ValueError, match="needs 2 devices"):  # the server's flag reaches the engine
+    with pytest.raises(SystemExit) as exit_:  # the server's flag reaches the engine: a one-line error, exit 2
         server.main(["--model", "tiny", "--dtype", "float32", "--pool-pages", "16", "--warmup", "off",
                      "--tensor-parallel-size", "2"])
+    assert exit_.value.code == 2 and "needs 2 devices" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
