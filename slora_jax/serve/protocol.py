@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from slora_jax.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
 from slora_jax.serve.fields import REFUSED_FIELDS, SUPPORTED_FIELDS, is_off
+from slora_jax.serve.scoring import engine_prompt_logprobs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024        # the longest stop string
@@ -321,7 +322,7 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop_token_ids=stop_ids, logprobs=lp if lp is not None else False,
                             ignore_eos=ignore_eos, **sampling_extras(body, limits.vocab, max_tokens),
-                            prompt_logprobs=max(prompt_lp or 0, lp) if echo and lp is not None else prompt_lp,
+                            prompt_logprobs=engine_prompt_logprobs(echo, prompt_lp, lp, max_tokens),
                             **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None

@@ -10,7 +10,7 @@ clients (lm-evaluation-harness: echo=true, logprobs=k, max_tokens=0) read.
   choice for completions, at the response's top level for chat (as vLLM). max_tokens may be 0.
 - chat `echo` (vLLM: repeat the last message when continuing it) is refused with a 400.
 
-protocol.sampling_params reads the two fields. A stream carries both on each choice's first
+protocol.sampling_params reads the two fields (engine_prompt_logprobs: what the engine computes). A stream carries both on each choice's first
 chunk. The engine computes the prompt's logprobs (SamplingParams.prompt_logprobs, at the larger of
 prompt_logprobs and, with echo, logprobs); they are complete on the RequestOutput once its first
 token (or its end) has reached the server.
@@ -18,7 +18,22 @@ token (or its end) has reached the server.
 
 from __future__ import annotations
 
-from slora_jax.serve.protocol import Choice, is_int
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slora_jax.serve.protocol import Choice
+
+
+def engine_prompt_logprobs(echo: bool, prompt_logprobs: int | None, logprobs: int | None,
+                           max_tokens: int) -> int | None:
+    """SamplingParams.prompt_logprobs of a request: the field's k, and with echo and logprobs the
+    echoed prompt's top `logprobs` too; echo with max_tokens=0 and neither asks for k=0 (a request
+    that generates nothing is a scoring request for the engine)."""
+    if echo and logprobs is not None:
+        return max(prompt_logprobs or 0, logprobs)
+    if echo and prompt_logprobs is None and max_tokens == 0:
+        return 0
+    return prompt_logprobs
 
 
 def best(entry: dict[int, float], k: int, token: int) -> list[tuple[int, float]]:
@@ -41,7 +56,7 @@ class PromptPart:
 
     def _texts(self, body: dict, prompts: list[list[int]], skip_special: bool) -> list[str]:
         p, tok = body.get("prompt"), self.srv.llm.tokenizer
-        raw = [p] if isinstance(p, str) or all(is_int(t) for t in p) else p
+        raw = [p] if isinstance(p, str) or all(isinstance(t, int) for t in p) else p
         return [x if isinstance(x, str) else tok.decode(ids, skip_special) if tok is not None else ""
                 for x, ids in zip(raw, prompts)]
 
