@@ -10,11 +10,15 @@ ask. The model is the tiny demo model with a byte-level tokenizer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from slora_jax import LLM, SamplingParams
 from slora_jax.demo import prepare
+from slora_jax.model.peft import random_peft_adapter
 
 TOL = 1e-5
 OPTS = dict(dtype="float32", page_size=16, pool_pages=96, max_num_seqs=4, max_lora_rank=32,
@@ -97,6 +101,9 @@ def test_max_tokens_zero_ends_after_the_prefill(demo):
     assert zero.token_ids == [] and zero.text == "" and zero.finish_reason == "length"
     check_against(reference(llm, [prompt], name)[0][:-1], prompt, zero, 2)
     assert len(beside.token_ids) == 5 and beside.finish_reason == "length"
+    alone = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0), adapter=name)[0]
+    assert alone.finish_reason == "length" and alone.token_ids == []  # nothing else keeps the engine busy
+    assert alone.prompt_ranks == zero.prompt_ranks
     assert llm.stats()["free_pages"] == llm.stats()["total_pages"] - llm.stats()["adapter_pages"]
 
 
@@ -119,6 +126,22 @@ def test_prefix_cache_is_bypassed_for_prompt_logprobs(demo):
     assert scored.prompt_ranks == without.prompt_ranks
 
 
+def test_a_non_finite_prompt_ends_its_request_alone(demo, tmp_path):
+    """An adapter whose activations overflow (weights of 1e30): its scoring request ends with an
+    error, nothing of it filed; the request beside it in the same step is scored as alone."""
+    llm, _, name = demo
+    d = Path(random_peft_adapter(tmp_path / "huge", llm.cfg, rank=8, targets="all-linear", seed=1))
+    f = d / "adapter_model.safetensors"
+    save_file({k: np.full_like(v, 1e30) for k, v in load_file(f).items()}, f)
+    llm.load_adapter("huge", str(d))
+    prompt = _prompt(llm, "overflowing scores")
+    bad, ok = llm.generate([prompt, prompt], SamplingParams(max_tokens=0, prompt_logprobs=1), adapter=["huge", name])
+    llm.unload_adapter("huge")
+    assert (bad.finish_reason, bad.error_code) == ("error", "non_finite_output") and bad.prompt_logprobs == [None]
+    assert ok.finish_reason == "length"
+    check_against(reference(llm, [prompt], name)[0][:-1], prompt, ok, 1)
+
+
 @pytest.mark.oracle
 def test_prompt_logprobs_match_transformers_peft(oracle):
     """The oracle's logits at every prompt position give the prompt logprobs directly."""
@@ -138,3 +161,4 @@ def test_prompt_logprobs_match_transformers_peft(oracle):
             best = np.sort(ref[q - 1])[::-1][:2]
             top = sorted(out.prompt_logprobs[q].values(), reverse=True)[:2]
             np.testing.assert_allclose(top, best, atol=1e-3)
+

@@ -435,7 +435,9 @@ class Engine:
         timed = not step.first_run and step.prefetch_s < 0.5 * seconds
         with self.timer.phase("complete"):
             if prompt is not None:  # before the requests that end with their prefill finish
-                prompt_lp.deliver(step.plan.chunks, prompt)
+                failed += [self._fail(req, "the model's output is not finite in the prompt; the adapter's weights "
+                                      "may overflow", "non_finite_output")
+                           for req in prompt_lp.deliver(step.plan.chunks, prompt)]
             return failed + self.sched.complete_overlapped(step.plan, results, seconds if timed else None, top)
 
     def _non_finite(self, plan: Plan, results: np.ndarray) -> list[RequestOutput]:

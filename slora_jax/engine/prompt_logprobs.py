@@ -13,6 +13,8 @@ computes them again, and they are skipped.
 
 from __future__ import annotations
 
+import math
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -92,21 +94,27 @@ def prompt_inputs(chunks, bucket) -> PromptLogprobInputs | None:
     return PromptLogprobInputs(token_idx, targets, bucket(k, 4) if k else 0)
 
 
-def deliver(chunks, results: np.ndarray) -> None:
+def deliver(chunks, results: np.ndarray) -> list:
     """File a step's rows (score's output, on the host) into RequestOutput.prompt_logprobs (per
     position {token id: logprob} of the top k and the prompt token) and prompt_ranks (the prompt
-    token's rank), each position once."""
+    token's rank), each position once. Returns the requests whose logprob at some position is not
+    finite (their logits hold NaN or infinity: an adapter whose activations overflow); nothing of
+    those rows is filed."""
     rows = scored(chunks)
     if not rows:
-        return
+        return []
     k_max = (results.shape[1] - 2) // 2
-    data = results[:len(rows)].tolist()
-    for (req, _, q), row in zip(rows, data):
+    bad = []
+    for (req, _, q), row in zip(rows, results[:len(rows)].tolist()):
         out = req.out
-        if req.out.finished or q != len(out.prompt_logprobs):
-            continue  # aborted, or filed before a preemption
+        if out.finished or q != len(out.prompt_logprobs) or req in bad:
+            continue  # aborted, filed before a preemption, or failed
+        if not math.isfinite(row[0]):
+            bad.append(req)
+            continue
         k = req.params.prompt_logprobs
         entry = {int(t): lp for t, lp in zip(row[2:2 + k], row[2 + k_max:2 + k_max + k])}
         entry.setdefault(req.tokens[q], row[0])
         out.prompt_logprobs.append(entry)
         out.prompt_ranks.append(int(row[1]))
+    return bad

@@ -117,9 +117,15 @@ class Scheduler(AdapterPrefetch):
             chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
         if not chunks:
             kind = "idle"
-            if not any(r.tokens[-1] == PENDING for r in self.running):  # else a completion frees pages
+            if not any(map(self._awaited, self.running)):  # else a completion frees pages
                 finished += self._unstick()
         return Plan(kind, chunks, self.pop_loads(), finished)
+
+    @staticmethod
+    def _awaited(req: Request) -> bool:
+        """Overlapped steps: its last step is still on the device (a PENDING token, or the end of
+        the prefill of a request that generates nothing)."""
+        return req.tokens[-1] == PENDING or (not req.params.max_tokens and req.num_computed == len(req.tokens))
 
     @staticmethod
     def _done(req: Request) -> bool:
