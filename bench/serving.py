@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.trace import Trace, Workload, generate, prompt_tokens  # noqa: F401
+from bench.trace import Trace, Workload, generate
 
 MODES = ("unified", "base", "padded", "separate")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # S-LoRA's dummy adapters

@@ -62,8 +62,7 @@ import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.block_sizes import device_kind, from_dict, load_tuned
-from pallas_kernels.lora_schedule import (BLOCK_T, _block_schedule, block_schedule, plan_blocks,  # noqa: F401
-                                          shrink_schedule)
+from pallas_kernels.lora_schedule import BLOCK_T, block_schedule, plan_blocks, shrink_schedule  # noqa: F401
 
 # `_fuser`: interpreting a pallas_call imports the fuser lazily, which adds a config to JAX's trace
 # context, so every jit traced before the first kernel call would miss its cache once and compile

@@ -120,8 +120,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | None | Sequence[str | None] = None, *,
                  lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt and per completion: with SamplingParams.n > 1, a prompt's
-        n completions come as n consecutive outputs sharing its request_id prefix.
+        """One RequestOutput per prompt, as vLLM's: with SamplingParams.n > 1 its `outputs` holds
+        the n completions (completion j sampled with seed + j when a seed is given).
         lora_request: vLLM's way to name an adapter (registered here on first use); adapter: a
         registered adapter's name. Give one of the two."""
         if lora_request is not None:
@@ -161,7 +161,12 @@ class LLM:
             if self.tokenizer is not None and not isinstance(out.stop_reason, str):
                 shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
                 out.text = self.tokenizer.decode(shown, p.skip_special_tokens)
-        return outs
+        firsts, k = [], 0
+        for p in params:
+            outs[k].siblings = outs[k + 1:k + p.n]
+            firsts.append(outs[k])
+            k += p.n
+        return firsts
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -53,8 +53,10 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestOutput:
     """A request's result. The engine fills the flat fields (`token_ids`, `logprobs`, `text`,
-    `finish_reason`) as tokens arrive; `outputs` presents them as vLLM's list of one
-    CompletionOutput, whose lists are the same objects as the flat ones."""
+    `finish_reason`) as tokens arrive; `outputs` presents them as vLLM's list of CompletionOutputs,
+    whose lists are the same objects as the flat ones. With SamplingParams.n > 1, LLM.generate
+    returns one RequestOutput per prompt: its flat fields are completion 0, and `siblings` holds
+    the RequestOutputs of completions 1..n-1 (outputs[j] is completion j)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -74,6 +76,7 @@ class RequestOutput:
     # the prompt token's rank in the vocabulary there (1: the most likely). None when not asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    siblings: list[RequestOutput] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -81,9 +84,12 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
+        return [r._completion(j) for j, r in enumerate([self, *self.siblings])]
+
+    def _completion(self, index: int) -> CompletionOutput:
         lps = self.logprobs
-        return [CompletionOutput(0, self.text or "", self.token_ids, float(sum(lps)) if lps is not None else None,
-                                 lps, self.finish_reason, self.stop_reason, self.top_logprobs)]
+        return CompletionOutput(index, self.text or "", self.token_ids, float(sum(lps)) if lps is not None else None,
+                                lps, self.finish_reason, self.stop_reason, self.top_logprobs)
 
 
 def new_request_id() -> str:

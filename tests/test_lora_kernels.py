@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import lora
+from pallas_kernels import lora, lora_schedule
 
 SLOTS = 6         # every case pads to this many slots (rank 0, no tokens): fewer compilations
 MAX_RANK = 128
@@ -266,7 +266,7 @@ def test_block_schedule():
     """Blocks cover every adapter token once, skip base tokens, empty and rank-0 slots."""
     ranks = jnp.array([8, 16, 0, 4, 0], jnp.int32)
     seg = jnp.array([0, 17, 17, 20, 53, 53], jnp.int32)
-    sched, total, nb = lora._block_schedule(ranks, seg, 60, 16)
+    sched, total, nb = lora_schedule._block_schedule(ranks, seg, 60, 16)
     sched, total = np.asarray(sched), int(total[0])
     assert total == 2 + 0 + 0 + 3 and nb >= total
     covered = np.concatenate([np.arange(st, min(st + 16, en)) for _, st, en in sched.T[:total]])
@@ -307,7 +307,7 @@ def test_host_block_schedule_matches_the_graph_one():
     """block_schedule (numpy, built by the engine with a step's inputs) gives the same arrays as
     the in-graph _block_schedule, on random segments with empty slots and rank-0 slots; and the
     kernels give the same output with either."""
-    from pallas_kernels.lora import _block_schedule, block_schedule
+    from pallas_kernels.lora_schedule import _block_schedule, block_schedule
     rng = np.random.default_rng(3)
     for t, sa, block_t in ((64, 8, 16), (37, 5, 16), (256, 32, 32), (16, 1, 16)):
         for _ in range(5):

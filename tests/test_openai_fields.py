@@ -122,11 +122,11 @@ def test_n_choices_as_llm_generate(live):
     got = client.completions.create(model=ADAPTERS[0], prompt=text(3), max_tokens=6, temperature=1.0, seed=7,
                                     n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
-    want = srv.engine.call_sync(lambda: srv.llm.generate(text(3), params, adapter=ADAPTERS[0]))
+    want = srv.engine.call_sync(lambda: srv.llm.generate(text(3), params, adapter=ADAPTERS[0]))[0]
     assert [c.index for c in got.choices] == [0, 1, 2]
-    assert [c.model_extra["token_ids"] for c in got.choices] == [o.token_ids for o in want]
-    assert len({tuple(o.token_ids) for o in want}) > 1
-    assert got.usage.prompt_tokens == len(want[0].prompt_token_ids) and got.usage.completion_tokens == 18
+    assert [c.model_extra["token_ids"] for c in got.choices] == [o.token_ids for o in want.outputs]
+    assert len({tuple(o.token_ids) for o in want.outputs}) > 1
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids) and got.usage.completion_tokens == 18
 
 
 # ---------------------------------------------------------------------------------------------

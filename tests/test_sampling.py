@@ -66,10 +66,14 @@ def test_lora_request_registers_on_first_use(demo):
 def test_n_completions_use_consecutive_seeds(demo):
     llm, _, _ = demo
     sp = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
-    outs = llm.generate("serve jax", SamplingParams(n=3, seed=11, **sp))
-    assert len(outs) == 3
+    outs = llm.generate(["serve jax", "pool"], [SamplingParams(n=3, seed=11, **sp), SamplingParams(n=2, seed=3, **sp)])
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 2]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
     singles = [llm.generate("serve jax", SamplingParams(seed=11 + i, **sp))[0].token_ids for i in range(3)]
-    assert [o.token_ids for o in outs] == singles
+    assert [c.token_ids for c in outs[0].outputs] == singles
+    assert outs[0].token_ids == singles[0]  # the flat fields are completion 0
+    assert [c.token_ids for c in outs[1].outputs] == \
+        [llm.generate("pool", SamplingParams(seed=3 + i, **sp))[0].token_ids for i in range(2)]
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
 
