@@ -71,6 +71,11 @@ class RequestOutput:
     stop_reason: int | str | None = None
     lora_request: LoRARequest | None = None
     top_logprobs: list[dict[int, float]] | None = None  # see CompletionOutput
+    # SamplingParams.prompt_logprobs=k: per prompt position {token id: logprob} of the k most likely
+    # tokens and the prompt token (None at position 0, as vLLM), in top_logprobs' form; prompt_ranks:
+    # the prompt token's rank in the vocabulary there (1: the most likely). None when not asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     siblings: list[RequestOutput] = dataclasses.field(default_factory=list, repr=False)
 
     @property

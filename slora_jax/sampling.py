@@ -27,6 +27,11 @@ class SamplingParams:
     logprobs: None or False: none; True or 0: the sampled token's logprob; k in 1..MAX_LOGPROBS:
     also the k most likely tokens' (RequestOutput.top_logprobs), as vLLM's logprobs=k. Logprobs
     are the model's raw distribution's, before penalties, bias and temperature, as vLLM reports them.
+    prompt_logprobs: None: none; k in 0..MAX_LOGPROBS: per prompt position after the first, the
+    logprob of the prompt token there given the tokens before it and the k most likely tokens'
+    (RequestOutput.prompt_logprobs). A request that asks skips the prefix cache (every prompt
+    position is computed) and may have max_tokens=0: it ends after its prefill, finish_reason
+    "length", with no token generated.
     min_p: drop tokens whose probability (after temperature) is below min_p times the most likely's.
     min_tokens: EOS and stop_token_ids cannot be sampled (and stop strings do not end the text)
     before this many tokens.
@@ -53,11 +58,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
+        pl = self.prompt_logprobs
+        if pl is not None and (not isinstance(pl, (int, np.integer)) or isinstance(pl, bool)
+                               or not 0 <= pl <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {pl!r}")
+        least = 0 if pl is not None else 1  # only a prompt-scoring request may generate nothing
         if not isinstance(self.max_tokens, (int, np.integer)) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+                or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an integer >= {least}"
+                             f"{'' if least == 0 else ' (0 only with prompt_logprobs)'}, got {self.max_tokens!r}")
         if not (0.0 <= float(self.temperature) <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (0.0 < float(self.top_p) <= 1.0):

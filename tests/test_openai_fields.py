@@ -2,7 +2,8 @@
 client on a live server. Supported ones (include_stop_str_in_output, skip_special_tokens, n) are
 checked against LLM.generate on the server's own LLM; the sampling extras (top-k logprobs,
 penalties, logit_bias, min_tokens, min_p) against numpy references on the server's own prompt
-logits (tests/test_sampling.py's), and their out-of-range values get a 400 naming them. Every field
+logits (tests/test_sampling.py's), and their out-of-range values get a 400 naming them. echo and
+prompt_logprobs are checked against LLM.generate(..., SamplingParams(prompt_logprobs=k)). Every field
 that this server does not implement: set to its "off" value it is accepted and changes nothing (the
 output equals the same request without it); set to anything else it gets a 400 whose `param` names
 it. The refused fields and their off values are slora_jax.serve.fields.REFUSED_FIELDS;
@@ -26,7 +27,7 @@ from test_server import ADAPTERS, chat_text, demo_dir, start_server, text  # noq
 ON = {
     "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "truncate_prompt_tokens": 5, "allowed_token_ids": [5, 6], "bad_words": ["ab"], "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 5, "allowed_token_ids": [5, 6], "bad_words": ["ab"],
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a+"},
@@ -234,7 +235,8 @@ def _within_min_p(srv, prompt: list[int], ids: list[int], min_p: float) -> bool:
 @pytest.mark.parametrize("field,value", [
     ("min_p", 1.5), ("min_tokens", 7), ("min_tokens", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", 11), ("logit_bias", {"99999": 1}), ("logit_bias", {"5": 101}),
-    ("logit_bias", {"x": 1}), ("logit_bias", [1]), ("logprobs", 21)])
+    ("logit_bias", {"x": 1}), ("logit_bias", [1]), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21), ("prompt_logprobs", "1"), ("prompt_logprobs", 1.5), ("echo", 1)])
 def test_out_of_range_extras_name_themselves(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=ADAPTERS[0], prompt=text(1), max_tokens=6, extra_body={field: value})
@@ -246,3 +248,100 @@ def test_chat_top_logprobs_past_the_limit(client):
         client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(1)}],
                                        max_tokens=6, logprobs=True, top_logprobs=21)
     assert e.value.body["param"] == "top_logprobs"
+
+
+# ---------------------------------------------------------------------------------------------
+# echo and prompt_logprobs (scoring)
+
+def _scored(srv, prompt, k: int, **sp):
+    """LLM.generate with prompt_logprobs=k on the server's LLM, greedy, for the same request."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, prompt_logprobs=k, **sp)
+    return srv.engine.call_sync(lambda: srv.llm.generate(prompt, params, adapter=ADAPTERS[0]))[0]
+
+
+def _prompt_part(want) -> list[float]:
+    ids = want.prompt_token_ids
+    return [want.prompt_logprobs[q][ids[q]] for q in range(1, len(ids))]
+
+
+def test_echo_returns_the_prompt_then_the_completion(live):
+    client, srv = live
+    got = client.completions.create(model=ADAPTERS[0], prompt=text(3), max_tokens=3, temperature=0, logprobs=2,
+                                    echo=True, extra_body={"ignore_eos": True})
+    want = _scored(srv, text(3), 2, max_tokens=3, logprobs=2)
+    c, ids, n = got.choices[0], want.prompt_token_ids, len(want.prompt_token_ids)
+    assert c.text == text(3) + want.text and c.finish_reason == "length"
+    lp = c.logprobs
+    assert lp.tokens == [srv.piece(t) for t in ids + want.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None   # nothing comes before it
+    assert lp.token_logprobs[1:n] == pytest.approx(_prompt_part(want), abs=1e-5)
+    assert lp.token_logprobs[n:] == pytest.approx(want.logprobs, abs=1e-5)
+    for q in range(1, n):
+        best = sorted(want.prompt_logprobs[q].items(), key=lambda kv: -kv[1])[:2]
+        assert set(lp.top_logprobs[q]) == {srv.piece(t) for t, _ in best} | {srv.piece(ids[q])}, q
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(text(3))  # the completion starts after the prompt
+
+
+def test_echo_with_max_tokens_zero_returns_only_the_prompt(live):
+    client, srv = live
+    got = client.completions.create(model=ADAPTERS[0], prompt=[text(4), text(5)], max_tokens=0, echo=True,
+                                    logprobs=1)
+    assert got.usage.completion_tokens == 0 and len(got.choices) == 2
+    for c in got.choices:
+        want = _scored(srv, text(4 + c.index), 1, max_tokens=0)
+        assert c.text == text(4 + c.index) and c.finish_reason == "length"
+        assert len(c.logprobs.tokens) == len(want.prompt_token_ids)
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(_prompt_part(want), abs=1e-5)
+    plain = client.completions.create(model=ADAPTERS[0], prompt=text(4), max_tokens=0, echo=True)
+    assert plain.choices[0].text == text(4) and plain.choices[0].logprobs is None
+
+
+def test_streamed_echo_as_the_whole_response(client):
+    kw = dict(model=ADAPTERS[0], prompt=text(6), max_tokens=4, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c for ch in client.completions.create(stream=True, **kw) for c in ch.choices]
+    assert chunks[0].text.startswith(text(6))   # the prompt comes in the first chunk
+    assert "".join(c.text for c in chunks) == whole.text
+    got = [c.logprobs for c in chunks if c.logprobs]
+    assert [x for lp in got for x in lp.token_logprobs] == whole.logprobs.token_logprobs
+    first = got[0].text_offset  # the prompt's tokens, at the same offsets
+    assert len(first) > len(text(6)) // 2 and first == whole.logprobs.text_offset[:len(first)]
+
+
+def _same_prompt_logprobs(srv, got: list, want, k: int) -> None:
+    ids = want.prompt_token_ids
+    assert got[0] is None and len(got) == len(ids)
+    for q in range(1, len(ids)):
+        entry = {int(t): v for t, v in got[q].items()}
+        assert entry.keys() == want.prompt_logprobs[q].keys(), q
+        for t, v in entry.items():
+            assert v["logprob"] == pytest.approx(want.prompt_logprobs[q][t], abs=1e-5)
+            assert v["decoded_token"] == srv.piece(t) and (t == ids[q] or 1 <= v["rank"] <= k)
+        assert entry[ids[q]]["rank"] == want.prompt_ranks[q]
+
+
+def test_prompt_logprobs_on_completions_and_chat(live):
+    """On each choice for completions, at the response's top level for chat (vLLM's places)."""
+    client, srv = live
+    got = client.completions.create(model=ADAPTERS[0], prompt=text(7), max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    _same_prompt_logprobs(srv, got.choices[0].model_extra["prompt_logprobs"], _scored(srv, text(7), 2, max_tokens=2), 2)
+    chat = client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(3)}],
+                                          max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    prompt = chat.choices[0].model_extra["prompt_token_ids"]
+    _same_prompt_logprobs(srv, chat.model_extra["prompt_logprobs"], _scored(srv, [prompt], 1, max_tokens=1), 1)
+
+
+def test_bad_scoring_requests_name_their_field_and_the_server_serves_on(client):
+    for kind, extra, param in (("chat", {"echo": True}, "echo"), ("chat", {"prompt_logprobs": -2}, "prompt_logprobs"),
+                               ("completions", {"max_tokens": 0}, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            if kind == "chat":
+                client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "user", "content": chat_text(1)}],
+                                               extra_body=extra)
+            else:
+                client.completions.create(model=ADAPTERS[0], prompt=text(1), **extra)
+        assert e.value.body["param"] == param, e.value.body
+    assert _send(client, "completions", {"prompt_logprobs": 0}).choices[0].model_extra["prompt_logprobs"][0] is None

@@ -252,8 +252,9 @@ def _all_above(llm, prompt, tokens, min_p) -> bool:
 
 
 def test_a_batch_without_extras_runs_the_plain_step(tiny, monkeypatch):
-    """Extras make their own step variants; a batch that uses none keeps the plain step's shape key
-    and compiled function (the jit cache does not grow), and warm-up compiles only plain steps."""
+    """Extras and prompt logprobs make their own step variants; a batch that uses none keeps the
+    plain step's shape key and compiled function (the jit cache does not grow), and warm-up
+    compiles only plain steps."""
     from slora_jax.engine import step as paged
     from slora_jax.engine.warmup import shape_key
     eng = tiny.engine
@@ -268,16 +269,22 @@ def test_a_batch_without_extras_runs_the_plain_step(tiny, monkeypatch):
         return out, {shape_key(inp) for inp in seen}, [inp.sampling for inp in seen]
 
     first, plain_keys, extras = keys_of(plain)
-    assert extras and all(x is None for x in extras)
-    assert not any("SamplingExtras" in str(key) for key in plain_keys)
+    assert extras and all(x is None for x in extras) and all(inp.prompt_logprobs is None for inp in seen)
+    assert not any("SamplingExtras" in str(key) or "PromptLogprobInputs" in str(key) for key in plain_keys)
     top, top_keys, extras = keys_of(SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2))
     assert all(x is not None and x.top_logprobs == 4 for x in extras)
     assert all("SamplingExtras" in str(key) for key in top_keys) and not top_keys & plain_keys
+    scored, scored_keys, _ = keys_of(SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True,
+                                                    prompt_logprobs=1))
+    assert [inp.prompt_logprobs is not None for inp in seen] == [not inp.decode for inp in seen]  # prefill only
+    new = scored_keys - plain_keys
+    assert new and all("PromptLogprobInputs" in str(key) for key in new) and scored.prompt_logprobs[0] is None
     compiled = paged.forward_sample._cache_size()
     again, again_keys, _ = keys_of(plain)
     assert again_keys == plain_keys and paged.forward_sample._cache_size() == compiled
-    assert again.token_ids == first.token_ids == top.token_ids
-    assert all(inp.sampling is None for inp in eng.warmup_shapes(max_context=32))
+    assert again.token_ids == first.token_ids == top.token_ids == scored.token_ids
+    assert again.logprobs == first.logprobs and scored.logprobs == pytest.approx(first.logprobs, abs=1e-6)
+    assert all(inp.sampling is None and inp.prompt_logprobs is None for inp in eng.warmup_shapes(max_context=32))
 
 
 def test_sampler_extras_against_numpy_on_random_logits():

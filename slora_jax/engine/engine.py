@@ -29,6 +29,7 @@ import numpy as np
 from slora_jax.config import EngineConfig
 from slora_jax.lora.selection import tpu_unavailable
 from slora_jax.lora import LoraInputs, check_backend, plan as plan_lora, slot_bucket, step_backend, whole_rows_layout
+from slora_jax.engine import prompt_logprobs as prompt_lp
 from slora_jax.engine import step as paged
 from slora_jax.engine import warmup as warmup_mod
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
@@ -124,7 +125,8 @@ class _InFlight:
     dispatched: float
     first_run: bool
     prefetch_s: float = 0.0
-    top: jax.Array | None = None  # top logprobs [S, 2, k] of a step that returns them
+    top: jax.Array | None = None     # top logprobs [S, 2, k] of a step that returns them
+    prompt: jax.Array | None = None  # prompt logprobs [R, 2 + 2k] of a step that returns them
 
 
 class Engine:
@@ -270,8 +272,10 @@ class Engine:
         if entry is not None and self.config.prefetch_adapters and not self.pool.is_resident(entry.key):
             self.store.stage(entry)  # a cold adapter's disk read starts now, off the step loop
         rid = new_request_id()
+        scored = params.prompt_logprobs is not None
         out = RequestOutput(rid, list(prompt), logprobs=[] if params.wants_logprobs else None, adapter=adapter,
-                            top_logprobs=[] if params.num_top_logprobs else None)
+                            top_logprobs=[] if params.num_top_logprobs else None,
+                            prompt_logprobs=[None] if scored else None, prompt_ranks=[None] if scored else None)
         self.sched.add(Request(rid, list(prompt), len(prompt), params, seed, entry, out,
                                stop_ids(params, eos_ids), self.clock()))
         return out
@@ -406,7 +410,7 @@ class Engine:
             self._shapes.add(shape)
         dispatched = time.perf_counter()
         with self.timer.phase("dispatch"):
-            results, top = self._dispatch(inp)
+            results, top, prompt = self._dispatch(inp)
         with self.timer.phase("prefetch"):
             self._write_adapters(self.sched.prefetch(plan))
             self.sched.advance(plan)
@@ -414,7 +418,7 @@ class Engine:
             self.builder.feed_from(results, plan.pending)
         self.step_count += 1
         self._count_transition(plan.kind)
-        return _InFlight(plan, results, dispatched, first_run, self.timer.last["prefetch"], top)
+        return _InFlight(plan, results, dispatched, first_run, self.timer.last["prefetch"], top, prompt)
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for a dispatched step's results and hand them to the scheduler. The device ran
@@ -423,12 +427,17 @@ class Engine:
         with self.timer.phase("device_wait"):
             results = np.asarray(step.results)
             top = np.asarray(step.top) if step.top is not None else None
+            prompt = np.asarray(step.prompt) if step.prompt is not None else None
         failed = self._non_finite(step.plan, results)
         done = time.perf_counter()
         seconds = done - max(step.dispatched, self._last_done)
         self._last_done = done
         timed = not step.first_run and step.prefetch_s < 0.5 * seconds
         with self.timer.phase("complete"):
+            if prompt is not None:  # before the requests that end with their prefill finish
+                failed += [self._fail(req, "the model's output is not finite in the prompt; the adapter's weights "
+                                      "may overflow", "non_finite_output")
+                           for req in prompt_lp.deliver(step.plan.chunks, prompt)]
             return failed + self.sched.complete_overlapped(step.plan, results, seconds if timed else None, top)
 
     def _non_finite(self, plan: Plan, results: np.ndarray) -> list[RequestOutput]:
@@ -460,11 +469,11 @@ class Engine:
         row[2] += self.timer.last["dispatch"]
         self._last_kind = kind
 
-    def _dispatch(self, inp: paged.StepInputs) -> tuple[jax.Array, jax.Array | None]:
-        """Run the step on the device (asynchronously): its results, and its top logprobs (None
-        unless the step returns them)."""
+    def _dispatch(self, inp: paged.StepInputs) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """Run the step on the device (asynchronously): its results, its top logprobs and its
+        prompt logprobs (each None unless the step returns them)."""
         self.kv, results = paged.step(self.params, self.kv, inp, cfg=self.cfg, tp=self.tp)
-        return results if isinstance(results, tuple) else (results, None)
+        return results if isinstance(results, tuple) else (results, None, None)
 
     # -- warm-up -----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 
 from slora_jax.engine import step as paged
+from slora_jax.engine.prompt_logprobs import prompt_inputs
 from slora_jax.engine.adapter_store import AdapterEntry, AdapterStore
 from slora_jax.engine import attention
 from slora_jax.engine.pool import NULL_PAGE, UnifiedPool
@@ -233,7 +234,7 @@ class StepInputBuilder:
                                lora=self.slots.lora_inputs(token_reqs, t, decode=False), decode=False,
                                attention_backend=self.attention_backend, prefill_context=context,
                                key_window=self.key_window(t, longest), **self.sampling_arrays(reqs, s),
-                               sampling=sampling_extras(reqs, s))
+                               sampling=sampling_extras(reqs, s), prompt_logprobs=prompt_inputs(chunks, pow2))
         return inp, samplers
 
     def decode(self, batch: list[Request]):

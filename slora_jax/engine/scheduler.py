@@ -117,9 +117,15 @@ class Scheduler(AdapterPrefetch):
             chunks = [(r, r.num_computed, r.num_computed + 1) for r in self._schedule_decode()]
         if not chunks:
             kind = "idle"
-            if not any(r.tokens[-1] == PENDING for r in self.running):  # else a completion frees pages
+            if not any(map(self._awaited, self.running)):  # else a completion frees pages
                 finished += self._unstick()
         return Plan(kind, chunks, self.pop_loads(), finished)
+
+    @staticmethod
+    def _awaited(req: Request) -> bool:
+        """Overlapped steps: its last step is still on the device (a PENDING token, or the end of
+        the prefill of a request that generates nothing)."""
+        return req.tokens[-1] == PENDING or (not req.params.max_tokens and req.num_computed == len(req.tokens))
 
     @staticmethod
     def _done(req: Request) -> bool:
@@ -136,7 +142,7 @@ class Scheduler(AdapterPrefetch):
                 continue
             req.num_computed = end
             self._cache_pages(req)
-            if end == len(req.tokens):
+            if end == len(req.tokens) and req.params.max_tokens:
                 plan.pending.append((i, req, len(req.tokens)))
                 req.tokens.append(PENDING)
 
@@ -146,7 +152,7 @@ class Scheduler(AdapterPrefetch):
         may already sit in the next step (dispatched): that step's token for it is dropped. One
         preempted meanwhile keeps its token."""
         self._observe(plan, seconds)
-        finished = []
+        finished = self._prefilled_only(plan)
         results = results.tolist() if hasattr(results, "tolist") else results
         now = self.clock()
         for i, req, idx in plan.pending:
@@ -177,13 +183,26 @@ class Scheduler(AdapterPrefetch):
                 continue
             req.num_computed = end
             self._cache_pages(req)
-            if end == len(req.tokens):
+            if end == len(req.tokens) and not req.params.max_tokens:
+                self._finish(req, "length")
+                finished.append(req.out)
+            elif end == len(req.tokens):
                 self._first_token(req, now)
                 self._append(req, int(results[i][0]), float(results[i][1]), top[i] if top is not None else None)
                 if req.out.finished:
                     finished.append(req.out)
         self.refresh_gauges()
         return finished
+
+    def _prefilled_only(self, plan: Plan) -> list[RequestOutput]:
+        """Finish the requests of max_tokens=0 (prompt scoring) whose prefill ends in this step."""
+        done = [req for req, _, end in plan.chunks
+                if not req.params.max_tokens and end == len(req.tokens) and not req.out.finished]
+        for req in done:
+            if req in self.waiting:  # preempted while this step ran
+                self.waiting.remove(req)
+            self._finish(req, "length")
+        return [req.out for req in done]
 
     def _observe(self, plan: Plan, seconds: float | None) -> None:
         """A completed step's metrics, and the cost model's sample."""
@@ -296,8 +315,8 @@ class Scheduler(AdapterPrefetch):
         return kv, 0
 
     def _hits(self, req: Request, entry) -> list[int]:
-        if not self.config.enable_prefix_caching:
-            return []
+        if not self.config.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits: nothing is skipped
         return cached_prefix(self.pool, req, entry.key if entry is not None else None, self.ps, PENDING)
 
     def _cache_pages(self, req: Request) -> None:

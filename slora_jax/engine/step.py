@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slora_jax.engine.attention import commit_kv, commit_kv_tp, paged_attend
+from slora_jax.engine.prompt_logprobs import PromptLogprobInputs, score as score_prompt
 from slora_jax.lora import LoraInputs, pool_lora
 from slora_jax.model import llama as model
 from slora_jax.model import tp as tp_mod
@@ -62,6 +63,9 @@ class StepInputs:
     # Penalties, logit_bias, min_tokens, min_p, top logprobs: present only when some row of the
     # step asks for one (None: the plain sampler, the step every other batch runs).
     sampling: SamplingExtras | None = None
+    # Prompt logprobs (prompt_logprobs.py): present only in a prefill step where some request asks
+    # for them (None: the plain step).
+    prompt_logprobs: PromptLogprobInputs | None = None
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, tp=None) -> list[jax.Array]:
@@ -165,11 +169,13 @@ def _sample_rows(params, cfg: ModelConfig, h_rows, inp: StepInputs):
 
 
 def _forward_sample(params, pool, inp: StepInputs, cfg: ModelConfig, tp: int = 1):
-    """(new K/V, results), results being (results, top logprobs) when the step returns those."""
+    """(new K/V, results), results being (results, top logprobs, prompt logprobs) when the step
+    returns either of the last two (each None when not asked for)."""
     h, new_kv = _forward(params, pool, inp, cfg, tp)
     results, top = _sample_rows(params, cfg, h[inp.sample_idx], inp)
     results = _pad_results(results, inp)
-    return new_kv, results if top is None else (results, top)
+    prompt = score_prompt(params, cfg, h, inp.prompt_logprobs) if inp.prompt_logprobs is not None else None
+    return new_kv, results if top is None and prompt is None else (results, top, prompt)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -199,7 +205,8 @@ def _over_mesh(local, tp, params, pool, inp: StepInputs):
 def step(params, pool, inp: StepInputs, *, cfg: ModelConfig, tp=None):
     """One engine step: `(pool, results)`; the pool is donated (updated in place). tp (a tp.TP):
     the step split over its mesh (params and pool placed for it). results is the [S, 2] array, or
-    (that array, top logprobs [S, 2, k]) for a step with inp.sampling.top_logprobs."""
+    (that array, top logprobs [S, 2, k] or None, prompt logprobs [R, 2 + 2k] or None) for a step
+    with inp.sampling.top_logprobs or inp.prompt_logprobs."""
     if tp is not None:
         new_kv, results = forward_sample_tp(params, pool, inp, cfg=cfg, tp=tp)
         return commit_kv_tp(pool, new_kv, inp.kv_slot, tp=tp), results

@@ -66,7 +66,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from slora_jax.sampling import SamplingParams
 from slora_jax.serve.async_engine import AsyncEngine, EngineError, EngineMetrics
 from slora_jax.serve.chat import ChatFormatter
+from slora_jax.serve.collector import EngineCollector
 from slora_jax.serve.first_use import FirstUseLoader
+from slora_jax.serve.scoring import PromptPart
 from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
                                     UnloadAdapterRequest, request_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
@@ -103,7 +105,7 @@ class Server:
                                       registry=self.registry)
         self.engine = AsyncEngine(llm, self.metrics, max_in_flight)
         self.first_use = FirstUseLoader(llm, self.engine, self.allowed, lora_search_dirs or [])
-        self.registry.register(_EngineCollector(self))
+        self.registry.register(EngineCollector(self))
         self.limits = Limits(llm)
         self.chat = ChatFormatter(llm.model if Path(llm.model).is_dir() else None, llm.tokenizer, chat_template)
         self.created = int(time.time())
@@ -214,39 +216,6 @@ class Server:
 
     def chat_logprobs(self, c: Choice, ids: list[int], lps: list[float]) -> dict | None:
         return chat_logprobs(c, [self.piece(t) for t in ids], lps, c.tops(len(ids), self.piece))
-
-
-class _EngineCollector:
-    """Gauges from the last Engine.stats() snapshot (refreshed by /metrics on the engine thread)."""
-
-    def __init__(self, server: Server):
-        self.server = server
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-        s = self.server
-        for key, value in sorted(s.engine.last_stats.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                g = GaugeMetricFamily(f"slora_engine_{key}", f"Engine.stats()['{key}']")
-                g.add_metric([], float(value))
-                yield g
-        phases = s.engine.last_stats.get("host_seconds") or {}
-        if phases:
-            from prometheus_client.core import CounterMetricFamily
-            c = CounterMetricFamily("slora_engine_step_phase_seconds",
-                                    "Seconds of engine steps by phase (host work vs device wait)", labels=["phase"])
-            for phase, seconds in sorted(phases.items()):
-                c.add_metric([phase], float(seconds))
-            yield c
-        g = GaugeMetricFamily("slora_requests_in_flight", "Requests accepted and not yet answered")
-        g.add_metric([], float(s.engine.in_flight))
-        yield g
-        g = GaugeMetricFamily("slora_registered_adapters", "Adapters registered in the host store")
-        g.add_metric([], float(len(s.llm.store.entries)))
-        yield g
-        g = GaugeMetricFamily("slora_engine_alive", "1 while the engine thread runs")
-        g.add_metric([], 1.0 if s.engine.alive else 0.0)
-        yield g
 
 
 SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on another replica", None, "shutting_down",
@@ -367,6 +336,7 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         choices = srv.submit(prompts, sp, adapter, extras)
+        part = PromptPart(srv, body, prompts, extras)  # echo and prompt_logprobs
 
         def release_all():
             for c in choices:
@@ -378,7 +348,7 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
             finally:
                 release_all()
             srv.check_failed(choices)
-            out = []
+            out, top = [], {}
             for c in choices:
                 if chat:
                     ch = {"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -386,15 +356,16 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
                           "finish_reason": c.finish_reason}
                 else:
                     ch = {"index": c.index, "text": c.text,
-                          "logprobs": srv.completion_logprobs(c, c.token_ids, c.logprobs, 0),
+                          "logprobs": srv.completion_logprobs(c, c.token_ids, c.logprobs, part.offset(c)),
                           "finish_reason": c.finish_reason}
+                top = part.first(c, ch, chat) or top  # chat: one prompt, one prompt_logprobs
                 if extras["return_token_ids"]:
                     ch["token_ids"] = list(c.token_ids)
                     ch["prompt_token_ids"] = list(c.handle.prompt)
                 out.append(ch)
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": model, "choices": out,
-                                 "usage": usage(choices)})
+                                 "usage": usage(choices), **top})
 
         # Streaming: wait for the first event before answering, so that an engine error or an
         # abort before any token still gets its own status code.
@@ -411,7 +382,7 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
             release_all()
             srv.check_failed([first[0]])
 
-        text_offsets = {c.index: 0 for c in choices}
+        text_offsets = {c.index: part.offset(c) for c in choices}
 
         def chunk(c: Choice, text: str, ids: list[int], lps: list[float]) -> dict:
             if chat:
@@ -426,13 +397,14 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
                       "logprobs": srv.completion_logprobs(c, ids, lps, text_offsets[c.index]),
                       "finish_reason": c.finish_reason}
                 text_offsets[c.index] += len(text)
+            top = part.first(c, ch, chat) if c.index not in part.sent else {}
             if extras["return_token_ids"]:
                 ch["token_ids"] = list(ids)
                 if c.index not in sent_prompt:
                     sent_prompt.add(c.index)
                     ch["prompt_token_ids"] = list(c.handle.prompt)
             return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": model, "choices": [ch]}
+                    "created": created, "model": model, "choices": [ch], **top}
 
         sent_role: set[int] = set()
         sent_prompt: set[int] = set()

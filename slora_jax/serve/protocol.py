@@ -15,7 +15,8 @@ id: [-100, 100]}), n (completion j of a prompt sampled with seed + j, as Samplin
 LLM.generate), and vLLM's extensions top_k, min_p, min_tokens, repetition_penalty (0, 10],
 stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, return_token_ids (adds
 `token_ids` and `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the
-request, 503, when its first token cannot come in time). echo, best_of > 1, suffix and tools are
+request, 503, when its first token cannot come in time); echo (completions) and prompt_logprobs
+0..20 (scoring.py; max_tokens may then be 0). Chat's echo, best_of > 1, suffix and tools are
 refused with 400 rather than silently ignored, and so is every other field of vLLM's
 CompletionRequest and ChatCompletionRequest set to anything but its "off" value (fields.py's
 REFUSED_FIELDS; docs/openai-api.md has the table). Fields vLLM does not know either are logged and
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse
 from slora_jax.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from slora_jax.serve.async_engine import Delta, EngineError, RequestHandle
 from slora_jax.serve.fields import REFUSED_FIELDS, SUPPORTED_FIELDS, is_off
+from slora_jax.serve.scoring import engine_prompt_logprobs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024        # the longest stop string
@@ -214,8 +216,9 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def refuse_unsupported(body: dict) -> None:
-    for name, what in (("echo", "echo is"), ("suffix", "suffix is"), ("tools", "tools are")):
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    names = (("echo", "echo in chat is"),) if chat else ()  # completions' echo: scoring.py
+    for name, what in names + (("suffix", "suffix is"), ("tools", "tools are")):
         if body.get(name):
             raise bad(f"{what} not supported", name, "unsupported_parameter")
     if body.get("best_of") not in (None, 1):
@@ -253,13 +256,14 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
                     adapter: str | None) -> tuple[SamplingParams, dict]:
     """SamplingParams for every prompt of the request, and the server-side extras (stop strings,
     logprobs wanted, stream, include_usage, return_token_ids)."""
-    refuse_unsupported(body)
+    refuse_unsupported(body, chat)
     refuse_unimplemented(body, chat)
     if chat:
         mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     else:
         mt_name = "max_tokens"
-    max_tokens = get_int(body, mt_name, 1, None)
+    echo, prompt_lp = get_bool(body, "echo"), get_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)  # scoring.py
+    max_tokens = get_int(body, mt_name, 0 if echo or prompt_lp is not None else 1, None)
     longest = max(prompt_lens)
     ctx = limits.max_model_len
     prompt_param = "messages" if chat else "prompt"
@@ -318,10 +322,12 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop_token_ids=stop_ids, logprobs=lp if lp is not None else False,
                             ignore_eos=ignore_eos, **sampling_extras(body, limits.vocab, max_tokens),
+                            prompt_logprobs=engine_prompt_logprobs(echo, prompt_lp, lp, max_tokens),
                             **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
     except ValueError as e:  # anything the checks above missed
         raise bad(str(e)) from None
-    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage, n=n,
+    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage, n=n, echo=echo,
+                    prompt_logprobs=prompt_lp,
                     return_token_ids=get_bool(body, "return_token_ids"),
                     include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
                     skip_special_tokens=get_bool(body, "skip_special_tokens", True))

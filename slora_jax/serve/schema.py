@@ -31,7 +31,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="the base model's name or an adapter's; omitted: the base model")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo or prompt_logprobs")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
@@ -53,12 +53,14 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, description="token id (a string) -> bias added to its logit", max_length=MAX_LOGIT_BIAS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[Text, TokenIds, Annotated[list[Union[Text, TokenIds]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]] = Field(
         ..., description="text or token ids (each below the model's vocabulary size), or a list of such prompts")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = Field(None, description="the prompt's text (and with logprobs its tokens') first")
 
 
 class TextPart(BaseModel):
@@ -74,7 +76,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=0, description="0 only with prompt_logprobs")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
