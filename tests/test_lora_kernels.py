@@ -335,7 +335,7 @@ def test_host_shrink_schedule_matches_the_graph_one():
     """shrink_schedule (numpy: the live (block, rank tile) items) gives the same arrays
     as the in-graph _block_schedule with a rank tile, ranks past max_rank clamped; the shrink gives
     the same output given it as building its own; a schedule of the wrong shape is refused."""
-    from pallas_kernels.lora import _block_schedule, block_schedule, shrink_schedule
+    from pallas_kernels.lora_schedule import _block_schedule, block_schedule, shrink_schedule
     rng = np.random.default_rng(5)
     for t, sa, block_t, rank_tile in ((64, 8, 16, 16), (37, 5, 16, 16), (256, 32, 32, 32), (16, 1, 16, 16)):
         for _ in range(5):

@@ -360,6 +360,34 @@ def test_sigterm_drains(tmp_path_factory):
 # the demo's cache
 
 
+def test_a_stream_that_raises_midway_ends_with_an_error_event(env, monkeypatch):
+    """An unexpected error while a stream is under way (here: building its second chunk) ends that
+    stream with an internal_error event and [DONE], never a cut connection; pages come back and
+    the server serves on."""
+    st, srv = env[:2]
+    calls = []
+    real = srv.completion_logprobs
+
+    def fails_on_second_chunk(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("planted")
+        return real(*args)
+
+    monkeypatch.setattr(srv, "completion_logprobs", fails_on_second_chunk)
+    body = {**OK, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", st.url + "/v1/completions", json=body, headers=H, timeout=120) as r:
+        raw = r.read()
+    assert r.status_code == 200, raw[:300]
+    events = [ln[len(b"data: "):] for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", raw[-300:]
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert "choices" in parsed[0] and parsed[-1]["error"]["code"] == "internal_error", parsed[-1]
+    assert "planted" in parsed[-1]["error"]["message"]
+    monkeypatch.undo()
+    assert_serves(st.url)
+
+
 def test_demo_rebuilds_half_written_cache(tmp_path):
     """A kill during the first start left an adapter directory with adapter_config.json and no
     weights, and a model directory with config.json only: the next start rebuilds both."""

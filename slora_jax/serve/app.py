@@ -429,6 +429,11 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
             except APIError as e:
                 yield sse_event(e.body())
                 yield "data: [DONE]\n\n"
+            except Exception as e:  # noqa: BLE001 - a stream under way ends with an error event, never cut
+                log.exception("unhandled error in a stream")
+                yield sse_event(APIError(500, hide_paths(f"internal error: {type(e).__name__}: {e}", srv.allowed),
+                                         None, "internal_error").body())
+                yield "data: [DONE]\n\n"
             finally:
                 await events.aclose()
                 release_all()
