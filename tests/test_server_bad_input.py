@@ -99,6 +99,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 COMPLETION_CASES = [  # (id, body changes, status, message, param)
     ("unknown-model", {"model": "nope"}, 404, "The model `nope` does not exist", "model"),
     ("model-not-a-string", {"model": 5}, 400, "model must be a string", "model"),
+    ("model-a-list", {"model": []}, 400, "model must be a string", "model"),
+    ("model-an-object", {"model": {"a": 1}}, 400, "model must be a string", "model"),
     ("max-tokens-negative", {"max_tokens": -1}, 400, "max_tokens must be >= 1", "max_tokens"),
     ("max-tokens-zero", {"max_tokens": 0}, 400, "max_tokens must be >= 1", "max_tokens"),
     ("max-tokens-huge", {"max_tokens": 10**9}, 400, "maximum context length is 1024", "max_tokens"),
@@ -150,6 +152,7 @@ def test_completion_errors(env, change, status, match, param):
 
 CHAT_CASES = [
     ("unknown-model", {"model": "nope"}, 404, "does not exist", "model"),
+    ("model-a-list", {"model": []}, 400, "model must be a string", "model"),
     ("messages-string", {"messages": "hi"}, 400, "messages must be a non-empty list", "messages"),
     ("messages-empty", {"messages": []}, 400, "messages must be a non-empty list", "messages"),
     ("messages-missing", {"messages": None}, 400, "messages must be a non-empty list", "messages"),

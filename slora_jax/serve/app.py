@@ -116,10 +116,12 @@ class Server:
         """The adapter a request asks for (None: the base model); an unregistered name is loaded
         from --lora-search-dirs (first_use.py), else 404."""
         model = body.get("model")
-        if model is None or model in self.base_names:
+        if model is None:
             return None
-        if not isinstance(model, str):
+        if not isinstance(model, str):  # checked first: a list or an object is not hashable
             raise bad(f"model must be a string, got {json.dumps(model)}", "model", "invalid_type")
+        if model in self.base_names:
+            return None
         if model not in self.llm.store.entries:
             await self.first_use.load(model)
         return model
