@@ -68,7 +68,7 @@ from slora_jax.serve.async_engine import AsyncEngine, EngineError, EngineMetrics
 from slora_jax.serve.chat import ChatFormatter
 from slora_jax.serve.collector import EngineCollector
 from slora_jax.serve.first_use import FirstUseLoader
-from slora_jax.serve.scoring import PromptPart
+from slora_jax.serve.scoring import PromptPart, text_offsets
 from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
                                     UnloadAdapterRequest, request_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
@@ -210,11 +210,8 @@ class Server:
                 raise APIError(500, c.error, None, c.error_code)
 
     def completion_logprobs(self, c: Choice, ids: list[int], lps: list[float], offset: int) -> dict | None:
-        offsets, at = [], offset
-        for t in ids:
-            offsets.append(at)
-            at += len(self.llm.tokenizer.decode([t])) if self.llm.tokenizer else 0
-        return completion_logprobs(c, [self.piece(t) for t in ids], lps, offsets, c.tops(len(ids), self.piece))
+        return completion_logprobs(c, [self.piece(t) for t in ids], lps, text_offsets(self.llm.tokenizer, ids, offset),
+                                   c.tops(len(ids), self.piece))
 
     def chat_logprobs(self, c: Choice, ids: list[int], lps: list[float]) -> dict | None:
         return chat_logprobs(c, [self.piece(t) for t in ids], lps, c.tops(len(ids), self.piece))

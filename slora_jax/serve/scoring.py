@@ -36,6 +36,16 @@ def engine_prompt_logprobs(echo: bool, prompt_logprobs: int | None, logprobs: in
     return prompt_logprobs
 
 
+def text_offsets(tokenizer, ids: list[int], start: int) -> list[int]:
+    """Each token's character offset in a text that starts at `start` (completions' text_offset):
+    the lengths of the tokens decoded one by one (all 0 without a tokenizer)."""
+    offsets, at = [], start
+    for t in ids:
+        offsets.append(at)
+        at += len(tokenizer.decode([t])) if tokenizer is not None else 0
+    return offsets
+
+
 def best(entry: dict[int, float], k: int, token: int) -> list[tuple[int, float]]:
     """The k most likely tokens of a prompt position's entry and the prompt token, best first."""
     top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
@@ -86,11 +96,8 @@ class PromptPart:
 
     def echo_logprobs(self, c: Choice) -> dict:
         """The completions logprobs object of the prompt's tokens."""
-        ids, tok, piece = c.handle.prompt, self.srv.llm.tokenizer, self.srv.piece
-        offsets, at = [], 0
-        for t in ids:
-            offsets.append(at)
-            at += len(tok.decode([t])) if tok is not None else 0
+        ids, piece = c.handle.prompt, self.srv.piece
+        offsets = text_offsets(self.srv.llm.tokenizer, ids, 0)
         rest = self._positions(c)
         tops = [None] + [{piece(x): lp for x, lp in best(e, c.want_lp, t)} for t, e, _ in rest]
         return {"tokens": [piece(t) for t in ids], "token_logprobs": [None] + [e[t] for t, e, _ in rest],
