@@ -71,11 +71,14 @@ def _step_inputs(cfg, *, decode: bool, modules, seqs: int, tokens: int, slots: i
     plan = TpuBackend().plan(t=tokens, token_slot=S((tokens,), i32), seg_starts=S((slots + 1,), i32), rows=rows,
                              ranks=ranks, decode=decode, cfg=cfg, max_rank=max_rank, dtype=jnp.bfloat16)
     assert isinstance(plan, LoraInputs) and plan.backend == "pallas_tpu"
+    # Decode reads `pages` columns of a page table; prefill, `pages` context pages.
+    context = {} if decode else dict(ctx_pages=S((pages,), i32), ctx_page_seq=S((pages,), i32),
+                                     ctx_page_fill=S((pages,), i32))
     return StepInputs(tokens=S((tokens,), i32), positions=S((tokens,), i32), kv_slot=S((tokens,), i32),
-                      token_seq=S((tokens,), i32), page_table=S((seqs, pages), i32), ctx_lens=S((seqs,), i32),
-                      sample_idx=S((seqs,), i32), temperature=S((seqs,), f32), top_k=S((seqs,), i32),
-                      top_p=S((seqs,), f32), seeds=S((seqs,), jnp.uint32), steps=S((seqs,), i32), lora=plan,
-                      decode=decode, attention_backend="pallas_tpu")
+                      token_seq=S((tokens,), i32), page_table=S((seqs, pages if decode else 1), i32),
+                      ctx_lens=S((seqs,), i32), sample_idx=S((seqs,), i32), temperature=S((seqs,), f32),
+                      top_k=S((seqs,), i32), top_p=S((seqs,), f32), seeds=S((seqs,), jnp.uint32), steps=S((seqs,), i32),
+                      lora=plan, decode=decode, attention_backend="pallas_tpu", **context)
 
 
 @pytest.mark.parametrize("kind", TPU_KINDS)

@@ -382,8 +382,8 @@ def test_prefill_attention_no_races():
 def _engine_prefill(rng, *, chunks, page_size=16, heads=4, kv_heads=2, d=128, rows=8):
     """A packed prefill step as StepInputBuilder.prefill lays it out: chunks (ctx, n) in row order,
     tokens grouped by sequence, padding last (token_seq -1), and, when any chunk has context, the
-    page table and ctx_lens only for those sequences (ctx_seq). Pages hold garbage past each
-    context, and the pool holds garbage pages."""
+    context pages of those sequences in turn, with padding (ctx_pages). Pages hold garbage past
+    each context, and the pool holds garbage pages."""
     from slora_jax.engine.step import StepInputs
     pool, table, ctx = _attention_case(rng, jnp.float32, heads=heads, kv_heads=kv_heads, d=d,
                                        ctx=[c for c, _ in chunks], page_size=page_size)
@@ -395,24 +395,24 @@ def _engine_prefill(rng, *, chunks, page_size=16, heads=4, kv_heads=2, d=128, ro
     for i, (c, n) in enumerate(chunks):
         token_seq[at:at + n], positions[at:at + n] = i, c + np.arange(n)
         at += n
-    with_ctx = [i for i, (c, _) in enumerate(chunks) if c > 0]
-    context = bool(with_ctx)
-    ctx_seq = None
-    if context:
-        c = 1 << (len(with_ctx) - 1).bit_length()
-        ctx_seq = np.full(c, -1, np.int32)
-        ctx_seq[:len(with_ctx)] = with_ctx
-        tab = np.zeros((c, table.shape[1]), np.int32)
-        tab[:len(with_ctx)] = table[with_ctx]
-        lens = np.zeros(c, np.int32)
-        lens[:len(with_ctx)] = ctx[with_ctx]
-    else:
-        tab, lens = np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32)
+    pages, seq, fill = [], [], []
+    for i, (c, _) in enumerate(chunks):
+        m = -(-c // page_size)
+        pages += list(table[i, :m])
+        seq += [i] * m
+        fill += [page_size] * (m - 1) + [c - (m - 1) * page_size] * (m > 0)
+    context = bool(pages)
+    flat = {}
+    if context:  # padded past the next power of two, so padding pages are always there
+        k = 1 << len(pages).bit_length()
+        pad = k - len(pages)
+        flat = dict(ctx_pages=np.array(pages + [0] * pad, np.int32), ctx_page_seq=np.array(seq + [-1] * pad, np.int32),
+                    ctx_page_fill=np.array(fill + [0] * pad, np.int32))
     z, zf = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
     inp = StepInputs(tokens=np.zeros(t, np.int32), positions=positions, kv_slot=np.zeros(t, np.int32),
-                     token_seq=token_seq, page_table=tab, ctx_lens=lens, sample_idx=z, temperature=zf, top_k=z,
-                     top_p=zf, seeds=z.astype(np.uint32), steps=z, lora=None, decode=False,
-                     attention_backend="pallas_tpu", prefill_context=context, ctx_seq=ctx_seq)
+                     token_seq=token_seq, page_table=np.zeros((rows, 1), np.int32), ctx_lens=z, sample_idx=z,
+                     temperature=zf, top_k=z, top_p=zf, seeds=z.astype(np.uint32), steps=z, lora=None, decode=False,
+                     attention_backend="pallas_tpu", prefill_context=context, **flat)
     q = jnp.asarray(rng.normal(size=(t, heads, d)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(t, kv_heads, d)), jnp.float32) for _ in range(2))
     return q, k, v, pool, inp, total
@@ -421,7 +421,7 @@ def _engine_prefill(rng, *, chunks, page_size=16, heads=4, kv_heads=2, d=128, ro
 @pytest.mark.parametrize("chunks", [[(0, 5), (21, 7), (0, 1), (33, 19)], [(0, 9), (0, 4), (0, 3)]],
                          ids=["context", "fresh"])
 def test_prefill_kernel_through_the_step_tables(chunks):
-    """The engine's packed prefill step (ctx_seq rows, padding tokens, fresh prompts beside later
+    """The engine's packed prefill step (context pages, padding tokens, fresh prompts beside later
     chunks) through tpu_prefill_tables and the TPU kernel equals the step's xla attention."""
     from slora_jax.engine.attention import paged_attention_xla, tpu_prefill_blocks, tpu_prefill_tables
     rng = np.random.default_rng(9)

@@ -30,36 +30,41 @@ QUERY_BLOCK = 512
 
 def paged_attention_xla(q, k, v, pool_layer, inp):
     """q, k, v [T, heads, d]: this step's tokens. Each token attends to its sequence's context
-    already in the pool (positions < ctx_lens) and, causally, to this step's tokens of the same
-    sequence. The pool is only read here: the step writes this step's K/V after every read, so
-    the donated pool is updated in place (see commit_kv)."""
-    s, p = inp.page_table.shape
+    already in the pool and, causally, to this step's tokens of the same sequence. Decode reads
+    each row's pages through the page table; packed prefill reads the step's context pages
+    (ctx_pages), every sequence's in turn. The pool is only read here: the step writes this step's
+    K/V after every read, so the donated pool is updated in place (see commit_kv)."""
     ps = pool_layer.shape[2]
     kvh, d = k.shape[1], k.shape[2]
-    if inp.decode or inp.prefill_context:  # a fresh-prompt prefill step reads no pooled page
+    if inp.decode:  # token i is sequence i
+        s, p = inp.page_table.shape
         kv = pool_layer[inp.page_table]  # [S, P, 2, ps, W]
         pk = kv[:, :, 0].reshape(s, p * ps, kvh, d)
         pv = kv[:, :, 1].reshape(s, p * ps, kvh, d)
         in_ctx = jnp.arange(p * ps)[None, :] < inp.ctx_lens[:, None]  # [S, C]
-    if inp.decode:  # token i is sequence i
         keys = jnp.concatenate([pk, k[:, None]], axis=1)
         vals = jnp.concatenate([pv, v[:, None]], axis=1)
         mask = jnp.concatenate([in_ctx, jnp.ones((s, 1), bool)], axis=1)[:, None, :]
         return model.attention_scores_softmax(q[:, None], keys, vals, mask)[:, 0]
-    # Packed prefill: every token against every sequence's pooled context and every new token,
-    # masked to its own sequence (and causally among the new tokens).
-    # The queries go in blocks of QUERY_BLOCK (a loop), so one block's scores are alive at a time.
-    # Pooled keys are left out when no sequence has context yet, and with a key window a block
-    # reads only the new tokens that can be in its sequences: [start - key_window, end).
+    # Packed prefill: every token against the step's pooled context and every new token, masked
+    # to its own sequence (and causally among the new tokens). Pooled keys are left out when no
+    # sequence has context yet. The queries go in blocks of QUERY_BLOCK (a loop), so one block's
+    # scores are alive at a time, and with a key window a block reads only the new tokens that can
+    # be in its sequences: [start - key_window, end).
     t = q.shape[0]
     tb = min(t, QUERY_BLOCK)
     if t % tb:
         tb = t
     span = tb + inp.key_window
     windowed = 0 < inp.key_window and tb < t and span < t
-    ctx_keys = s * p * ps if inp.prefill_context else 0
     if inp.prefill_context:
-        pooled_k, pooled_v = pk.reshape(ctx_keys, kvh, d), pv.reshape(ctx_keys, kvh, d)
+        n = inp.ctx_pages.shape[0] * ps
+        kv = pool_layer[inp.ctx_pages]  # [K, 2, ps, W]
+        pooled_k, pooled_v = kv[:, 0].reshape(n, kvh, d), kv[:, 1].reshape(n, kvh, d)
+        live = jnp.arange(ps)[None, :] < inp.ctx_page_fill[:, None]  # [K, ps]
+        # Each pooled key's sequence row; -1 past a context (padding queries may read those:
+        # their outputs are never used).
+        pooled_seq = jnp.where(live, inp.ctx_page_seq[:, None], -1).reshape(n)
 
     def block(args):
         qb, seq_b, pos_b, b = args
@@ -73,10 +78,7 @@ def paged_attention_xla(q, k, v, pool_layer, inp):
         mask = (seq_b[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_b[:, None])  # [B, keys]
         keys, vals = kn, vn
         if inp.prefill_context:
-            rows = jnp.arange(s) if inp.ctx_seq is None else inp.ctx_seq
-            same = seq_b[:, None] == rows[None, :]                                       # [B, S]
-            ctx_mask = (same[:, :, None] & in_ctx[None]).reshape(qb.shape[0], ctx_keys)
-            mask = jnp.concatenate([ctx_mask, mask], axis=1)
+            mask = jnp.concatenate([seq_b[:, None] == pooled_seq[None, :], mask], axis=1)
             keys, vals = jnp.concatenate([pooled_k, kn], axis=0), jnp.concatenate([pooled_v, vn], axis=0)
         return model.attention_scores_softmax(qb[None], keys[None], vals[None], mask[None])[0]
 
@@ -89,21 +91,23 @@ def paged_attention_xla(q, k, v, pool_layer, inp):
 
 
 def tpu_prefill_tables(inp):
-    """The TPU prefill kernel's (page_table [S, P], ctx_lens [S], seq_starts [S + 1]) of a packed
+    """The TPU prefill kernel's (page_table [S, K], ctx_lens [S], seq_starts [S + 1]) of a packed
     prefill step: row s is sequence s. The step's tokens are already grouped by sequence in row
-    order with the padding last (StepInputBuilder.prefill), so seq_starts counts them; with
-    ctx_seq, the rows of the sequences that have context are scattered into a full table."""
+    order with the padding last (StepInputBuilder.prefill), so seq_starts counts them; the step's
+    context pages (ctx_pages, each sequence's in turn) are scattered into a table as wide as all
+    of them, of which the kernel reads only each row's live pages."""
     s = inp.sample_idx.shape[0]
     seq = jnp.where(inp.token_seq < 0, s, inp.token_seq)  # padding after every sequence
     seq_starts = jnp.searchsorted(seq, jnp.arange(s + 1), side="left").astype(jnp.int32)
     if not inp.prefill_context:  # fresh prompts: no pooled page is read
         return jnp.zeros((s, 1), jnp.int32), jnp.zeros((s,), jnp.int32), seq_starts
-    if inp.ctx_seq is None:
-        return inp.page_table, inp.ctx_lens, seq_starts
-    rows = jnp.where(inp.ctx_seq < 0, s, inp.ctx_seq)  # padding rows fall off the end
-    table = jnp.zeros((s, inp.page_table.shape[1]), jnp.int32).at[rows].set(inp.page_table, mode="drop")
-    ctx = jnp.zeros((s,), jnp.int32).at[rows].set(inp.ctx_lens, mode="drop")
-    return table, ctx, seq_starts
+    k = inp.ctx_pages.shape[0]
+    rows = jnp.where(inp.ctx_page_seq < 0, s, inp.ctx_page_seq)  # padding pages fall off the end
+    first = jax.ops.segment_min(jnp.arange(k), rows, num_segments=s + 1)  # each sequence's first page
+    cols = jnp.arange(k) - first[rows]
+    table = jnp.zeros((s, k), jnp.int32).at[rows, cols].set(inp.ctx_pages, mode="drop")
+    ctx = jax.ops.segment_sum(inp.ctx_page_fill, rows, num_segments=s + 1)[:s]
+    return table, ctx.astype(jnp.int32), seq_starts
 
 
 def tpu_prefill_blocks(t: int) -> tpu_attention.PrefillBlocks:

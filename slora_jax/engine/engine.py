@@ -180,7 +180,9 @@ class Engine:
         self.depth = 1 if overlap else 0
         self.slots = AdapterSlots(cfg, store, self.pool, self.ps, config.max_lora_rank, backends=self)
         self.builder = StepInputBuilder(cfg, self.pool, self.ps, self.opts.attention_backend,
-                                        self.decode_page_floor(), self.slots, feed=self.depth > 0)
+                                        self.decode_page_floor(), self.slots, feed=self.depth > 0,
+                                        context_pages=self.context_pages())
+        self.sched.max_context_pages = self.builder.context_pages
         if self.depth:  # a step's results have these rows, so the next step can read them
             rows = _pow2(config.max_num_seqs + MAX_PREFILL_SEQS)
             self.builder.prev_results = jax.device_put(np.zeros((rows, 2), np.float32), self._replicated)
@@ -199,6 +201,13 @@ class Engine:
         so its table is always as wide as max_model_len needs (one shape per batch bucket); XLA
         attention reads the whole table, so its bucket follows the longest context."""
         return _pow2(self.kv_pages_for(self.max_model_len)) if self.opts.attention_backend == "pallas" else 1
+
+    def context_pages(self) -> int:
+        """The context-page bucket of prefill steps with context, and the most context pages the
+        scheduler puts in one such step (unless one sequence alone has more): the pages of a
+        step's token budget (or of max_model_len, if less), so the pooled keys a step reads are
+        at most about its new ones."""
+        return _pow2(self.kv_pages_for(min(self.config.max_num_batched_tokens, self.max_model_len)))
 
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         baseline = self.config.baseline

@@ -167,13 +167,18 @@ class StepInputBuilder:
 
     Prefill steps pack every chunk's tokens into one row of pow2(tokens, 16) and keep one
     sequence bucket (MAX_PREFILL_SEQS); decode steps have one token a sequence, pow2(sequences)
-    rows. With async scheduling (`feed_from`), a token the host has not seen yet (PENDING) is read
+    rows. A prefill step whose chunks have context in the pool (a prompt after cached pages, a
+    split prompt's later chunk) lists its context pages, padded to `context_bucket` of their
+    count: at least `context_pages`, which the scheduler keeps a step's context within unless one
+    sequence alone has more, so such steps have one shape per token bucket and key window.
+    With async scheduling (`feed_from`), a token the host has not seen yet (PENDING) is read
     on the device from the previous step's results."""
 
     def __init__(self, cfg: ModelConfig, pool: UnifiedPool, page_size: int, attention_backend: str,
-                 decode_page_floor: int, slots: AdapterSlots, feed: bool):
+                 decode_page_floor: int, slots: AdapterSlots, feed: bool, context_pages: int):
         self.cfg, self.pool, self.ps, self.attention_backend = cfg, pool, page_size, attention_backend
         self.decode_page_floor, self.slots, self.feed = decode_page_floor, slots, feed
+        self.context_pages = context_pages
         self.prev_results = None    # the previous step's results, on the device (async scheduling)
         self._feed_rows: dict[int, int] = {}  # id(request) -> its row there
 
@@ -199,7 +204,7 @@ class StepInputBuilder:
         longest = max(end - start for _, start, end in chunks)
         tokens, positions, kv_slot = np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32)
         token_seq = np.full(t, -1, np.int32)  # padding belongs to no sequence
-        sample_idx, ctx_lens = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        sample_idx = np.zeros(s, np.int32)
         token_reqs: list[Request | None] = [None] * t
         samplers = set()
         at = 0
@@ -212,30 +217,41 @@ class StepInputBuilder:
             token_seq[at:at + n] = i
             token_reqs[at:at + n] = [req] * n
             sample_idx[i] = at + n - 1
-            ctx_lens[i] = start
             if end == len(req.tokens):
                 samplers.add(i)
             at += n
         reqs = [c[0] for c in chunks]
-        # Without context the page table is not read: one column keeps the shape fixed. With it,
-        # only the sequences that have context get rows (a prompt's later chunk beside fresh
-        # prompts reads its own pages, not every row's at its page count).
-        table, ctx_seq = np.full((s, 1), NULL_PAGE, np.int32), None
-        if context:
-            rows = [i for i, (_, start, _) in enumerate(chunks) if start > 0]
-            c = pow2(len(rows))
-            table = self.page_table([reqs[i] for i in rows], c)
-            ctx_seq = np.full(c, -1, np.int32)
-            ctx_seq[:len(rows)] = rows
-            ctx_lens = np.zeros(c, np.int32)
-            ctx_lens[:len(rows)] = [chunks[i][1] for i in rows]
         inp = paged.StepInputs(tokens=tokens, positions=positions, kv_slot=kv_slot, token_seq=token_seq,
-                               page_table=table, ctx_lens=ctx_lens, sample_idx=sample_idx, ctx_seq=ctx_seq,
-                               lora=self.slots.lora_inputs(token_reqs, t, decode=False), decode=False,
-                               attention_backend=self.attention_backend, prefill_context=context,
+                               page_table=np.full((s, 1), NULL_PAGE, np.int32), ctx_lens=np.zeros(s, np.int32),
+                               sample_idx=sample_idx, lora=self.slots.lora_inputs(token_reqs, t, decode=False),
+                               decode=False, attention_backend=self.attention_backend, prefill_context=context,
                                key_window=self.key_window(t, longest), **self.sampling_arrays(reqs, s),
-                               sampling=sampling_extras(reqs, s), prompt_logprobs=prompt_inputs(chunks, pow2))
+                               sampling=sampling_extras(reqs, s), prompt_logprobs=prompt_inputs(chunks, pow2),
+                               **(self.context_arrays(chunks) if context else {}))
         return inp, samplers
+
+    def context_bucket(self, pages: int) -> int:
+        """The context-page bucket of a prefill step whose chunks have `pages` pages of context."""
+        return max(self.context_pages, pow2(pages))
+
+    def context_arrays(self, chunks) -> dict:
+        """ctx_pages, ctx_page_seq, ctx_page_fill (StepInputs) of the chunks that start after
+        context in the pool: each one's pages up to its start, in row order, padded with the null
+        page."""
+        ps = self.ps
+        per_seq = [(i, self.pool.kv[req.rid][:-(-start // ps)], start)
+                   for i, (req, start, _) in enumerate(chunks) if start > 0]
+        n = sum(len(pages) for _, pages, _ in per_seq)
+        k = self.context_bucket(n)
+        pages, seq, fill = np.full(k, NULL_PAGE, np.int32), np.full(k, -1, np.int32), np.zeros(k, np.int32)
+        at = 0
+        for i, own, start in per_seq:
+            m = len(own)
+            pages[at:at + m], seq[at:at + m] = own, i
+            fill[at:at + m] = ps
+            fill[at + m - 1] = start - (m - 1) * ps
+            at += m
+        return dict(ctx_pages=pages, ctx_page_seq=seq, ctx_page_fill=fill)
 
     def decode(self, batch: list[Request]):
         s, n = pow2(len(batch)), len(batch)
@@ -268,6 +284,13 @@ class StepInputBuilder:
                                 sample_idx=np.arange(s, dtype=np.int32) if decode else np.full(s, t - 1, np.int32),
                                 lora=lora, decode=decode, attention_backend=self.attention_backend,
                                 prefill_context=decode, key_window=key_window, **self.sampling_arrays([], s))
+
+    def null_context(self, t: int, s: int, k: int, lora=None, key_window: int = 0) -> paged.StepInputs:
+        """`null`'s prefill of t tokens, with k context pages that are all padding: the shape of a
+        prefill step with context in that bucket (warm-up)."""
+        inp = self.null(t, s, 1, decode=False, lora=lora, key_window=key_window)
+        return inp.replace(prefill_context=True, ctx_pages=np.full(k, NULL_PAGE, np.int32),
+                           ctx_page_seq=np.full(k, -1, np.int32), ctx_page_fill=np.zeros(k, np.int32))
 
     def _fed(self, inp: paged.StepInputs, plan) -> paged.StepInputs:
         """The tokens still on the device (PENDING on the host) are read from the in-flight step's

@@ -69,6 +69,9 @@ class Scheduler(AdapterPrefetch):
                  ready: Callable[[object], bool] | None = None):
         self.pool, self.config, self.ps, self.resolve, self.clock = pool, config, page_size, resolve, clock
         self.max_prefill_seqs = MAX_PREFILL_SEQS
+        # Context pages a prefill step reads at most, unless one sequence alone has more (the
+        # engine sets it to its step builder's context bucket).
+        self.max_context_pages: int | None = None
         # ready(entry): False while the adapter is still read from disk; its request waits
         self.ready = ready or (lambda entry: True)
         self.cost = cost or StepCostModel()
@@ -323,10 +326,17 @@ class Scheduler(AdapterPrefetch):
         if self.config.enable_prefix_caching:
             offer_pages(self.pool, req, req.adapter.key if req.adapter is not None else None, self.ps, PENDING)
 
+    def _context_fits(self, used: int, pages: int) -> bool:
+        """Whether a chunk after `pages` pages of pooled context joins a prefill step whose chunks
+        already read `used`: within max_context_pages, or the step's first context."""
+        cap = self.max_context_pages
+        return pages == 0 or used == 0 or cap is None or used + pages <= cap
+
     def _admissions(self, budget: int, nseqs: int, dry: bool, finished: list[RequestOutput] | None = None,
-                    leaving: list[Request] = ()) -> list[tuple[Request, object, int]]:
+                    leaving: list[Request] = (), context: int = 0) -> list[tuple[Request, object, int]]:
         """Walk the queue in service order; admit what fits this step (dry: only predict it, as
-        if the `leaving` requests had finished)."""
+        if the `leaving` requests had finished). `context`: pages of pooled context the step's
+        chunks read already."""
         o, pool, now = self.config, self.pool, self.clock()
         fcfs = o.admission_order == "fcfs"
         gone_ids = set(map(id, leaving))
@@ -356,6 +366,8 @@ class Scheduler(AdapterPrefetch):
                     break  # the batch drains until this request's adapter fits
                 continue
             hits = self._hits(req, entry)
+            if not self._context_fits(context, len(hits)):
+                break  # its cached prefix would widen the step's context: it starts the next step
             start = len(hits) * self.ps
             end = min(len(req.tokens), start + budget)
             if end < len(req.tokens) and (out or nseqs) and len(req.tokens) - start <= o.max_num_batched_tokens:
@@ -390,6 +402,7 @@ class Scheduler(AdapterPrefetch):
             if key is not None:
                 batch.add(key)
             budget -= end - start
+            context += len(hits)
             nseqs += 1
             running += 1
             out.append((req, entry, end))
@@ -407,18 +420,23 @@ class Scheduler(AdapterPrefetch):
         budget = self.config.max_num_batched_tokens
         chunks = []
         stuck = False
+        context = 0  # pages of pooled context the step's chunks read
         # Requests part-way through a chunked prefill go first.
         for req in self.running:
             if req.num_computed < len(req.tokens) - 1 and budget > 0 and len(chunks) < self.max_prefill_seqs:
+                pages = self.kv_pages_for(req.num_computed)
+                if not self._context_fits(context, pages):
+                    continue  # it goes on in the next step
                 end = min(len(req.tokens), req.num_computed + budget)
                 if not self.grow(req, end):
                     stuck = True
                     break
                 chunks.append((req, req.num_computed, end))
                 budget -= end - req.num_computed
+                context += pages
         if not stuck and self.waiting:
             chunks += [(req, req.num_computed, end)  # num_computed: the tokens served from the cache
-                       for req, _, end in self._admissions(budget, len(chunks), False, finished)]
+                       for req, _, end in self._admissions(budget, len(chunks), False, finished, context=context)]
         return chunks
 
     def _schedule_decode(self) -> list[Request]:

@@ -51,9 +51,15 @@ class StepInputs:
     # the key_window new tokens before it and its own (no chunk is longer than key_window).
     prefill_context: bool = flax.struct.field(pytree_node=False, default=True)
     key_window: int = flax.struct.field(pytree_node=False, default=0)
-    # Packed prefill with context: the rows of page_table and ctx_lens are only the sequences that
-    # have context, ctx_seq [C] their sequence rows (-1: padding). None: row i is sequence i.
-    ctx_seq: jax.Array | None = None
+    # Packed prefill with context (prefill_context): the pool pages of every sequence's context,
+    # one sequence after another: ctx_pages [K] their ids, ctx_page_seq [K] the sequence row of
+    # each (-1: padding), ctx_page_fill [K] the context tokens each holds (page_size but on a
+    # sequence's last page). K is a bucket of the whole step's context, not of its rows times its
+    # longest context, so steps with context take few shapes (StepInputBuilder.context_pages).
+    # Prefill steps leave page_table and ctx_lens to decode (one null column, zeros).
+    ctx_pages: jax.Array | None = None
+    ctx_page_seq: jax.Array | None = None
+    ctx_page_fill: jax.Array | None = None
     # Async scheduling (EngineConfig.async_scheduling): the step is dispatched before the previous
     # one's tokens reach the host. token_src [T]: row of prev_results whose token is token t's
     # (-1: tokens[t] holds it); prev_results [R, 2]: the previous step's results, padded to R rows,

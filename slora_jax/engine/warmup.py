@@ -1,8 +1,8 @@
 """Warm-up: compile the step shapes a server meets before the first request, with a progress bar.
 
 A step's shape is its bucket: decode steps at every batch bucket x page-table bucket, prefill
-steps at every token bucket x key window, each again with LoRA at every slot bucket on each
-module set. `warmup_shapes` lists them as null inputs; `compile_shapes` compiles them without
+steps at every token bucket x key window (with prefix caching, again with context in the pool at
+every context bucket), each again with LoRA at every slot bucket on each module set. `warmup_shapes` lists them as null inputs; `compile_shapes` compiles them without
 running them, before serving, and `compile_in_background` on a thread while the engine serves.
 """
 
@@ -32,9 +32,12 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
     two up to max_num_seqs) times every page-table bucket up to max_context tokens (one,
     max_model_len's, under the Pallas kernel), and prefill of fresh prompts up to
-    max_num_batched_tokens. With `lora` and adapters registered, each again with LoRA at every
-    slot bucket on each module set a step can carry. Not covered (compiled on first use): prefill
-    steps that continue a split prompt (pooled context)."""
+    max_num_batched_tokens. With prefix caching, every such prefill again with context in the
+    pool (a prompt after cached pages, a preempted request finding its pages again) at every
+    context bucket up to max_context (StepInputBuilder.context_bucket). With `lora` and adapters
+    registered, each again with LoRA at every slot bucket on each module set a step can carry.
+    Not covered (compiled on first use): without prefix caching, the later chunks of a prompt
+    longer than a step (pooled context); steps with sampling extras or prompt logprobs."""
     config, build = engine.config, engine.builder
     ctx = max_context or min(engine.max_model_len, 4096)
     module_sets = engine.slots.module_sets() if lora else []
@@ -53,11 +56,14 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     # all run at pow2(n, 16) tokens x the prefill row bucket, with every key window that
     # prompts of up to max_context tokens give.
     s = pow2(MAX_PREFILL_SEQS)
+    contexts = sorted({build.context_bucket(p) for p in range(engine.kv_pages_for(ctx) + 1)}) \
+        if config.enable_prefix_caching else []
     for t in sorted({pow2(n, 16) for n in range(1, config.max_num_batched_tokens + 1)}):
         for w in sorted({build.key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
-            shapes.append(build.null(t, s, 1, decode=False, key_window=w))
-            shapes += [build.null(t, s, 1, decode=False, lora=(modules, sa), key_window=w)
-                       for modules in module_sets for sa in engine._slot_buckets(min(t, s), t, decode=False)]
+            loras = [None] + [(modules, sa) for modules in module_sets
+                              for sa in engine._slot_buckets(min(t, s), t, decode=False)]
+            shapes += [build.null(t, s, 1, decode=False, lora=lora, key_window=w) for lora in loras]
+            shapes += [build.null_context(t, s, k, lora=lora, key_window=w) for k in contexts for lora in loras]
     return shapes
 
 
@@ -79,9 +85,11 @@ def compile_step(engine, inp: paged.StepInputs, spec) -> str:
     else:
         paged.commit_kv.lower(spec, new_kv, inp.kv_slot).compile()
     engine._shapes.add(shape_key(inp))
-    kind = "decode" if inp.decode else "prefill"
     slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
-    return f"{kind} {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
+    if inp.decode:
+        return f"decode {inp.tokens.shape[0]}x{inp.page_table.shape[1]}{slots}"
+    context = f" context {inp.ctx_pages.shape[0]}" if inp.prefill_context else ""
+    return f"prefill {inp.tokens.shape[0]}{context}{slots}"
 
 
 def pool_spec(engine):
@@ -97,7 +105,8 @@ def compile_shapes(engine, shapes: list[paged.StepInputs], progress: bool = True
     its GEMMs by timing them on the device, and concurrent compiles may time each other's
     kernels, so one is the default."""
     spec = spec if spec is not None else pool_spec(engine)
-    shapes = sorted(shapes, key=lambda inp: inp.tokens.shape[0] * inp.page_table.shape[1])
+    shapes = sorted(shapes, key=lambda inp: inp.tokens.shape[0] * (
+        inp.page_table.shape[1] if inp.decode else 1 + (inp.ctx_pages.shape[0] if inp.prefill_context else 0)))
     bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers or 1)) as pool:
         for done in concurrent.futures.as_completed([pool.submit(compile_step, engine, inp, spec) for inp in shapes]):
