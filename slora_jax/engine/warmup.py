@@ -32,12 +32,11 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     """Null step inputs for the buckets a server meets: decode at every batch bucket (powers of
     two up to max_num_seqs) times every page-table bucket up to max_context tokens (one,
     max_model_len's, under the Pallas kernel), and prefill of fresh prompts up to
-    max_num_batched_tokens. With prefix caching, every such prefill again with context in the
-    pool (a prompt after cached pages, a preempted request finding its pages again) at every
+    max_num_batched_tokens. With prefix caching, or with max_context over a step's token budget
+    (a long prompt's later chunks), every such prefill again with context in the pool at every
     context bucket up to max_context (StepInputBuilder.context_bucket). With `lora` and adapters
     registered, each again with LoRA at every slot bucket on each module set a step can carry.
-    Not covered (compiled on first use): without prefix caching, the later chunks of a prompt
-    longer than a step (pooled context); steps with sampling extras or prompt logprobs."""
+    Not covered (compiled on first use): steps with sampling extras or prompt logprobs."""
     config, build = engine.config, engine.builder
     ctx = max_context or min(engine.max_model_len, 4096)
     module_sets = engine.slots.module_sets() if lora else []
@@ -56,8 +55,10 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     # all run at pow2(n, 16) tokens x the prefill row bucket, with every key window that
     # prompts of up to max_context tokens give.
     s = pow2(MAX_PREFILL_SEQS)
-    contexts = sorted({build.context_bucket(p) for p in range(engine.kv_pages_for(ctx) + 1)}) \
-        if config.enable_prefix_caching else []
+    # Prefill with context in the pool: common under prefix caching; without it, only the later
+    # chunks of a prompt longer than a step's budget.
+    with_context = config.enable_prefix_caching or ctx > config.max_num_batched_tokens
+    contexts = sorted({build.context_bucket(p) for p in range(engine.kv_pages_for(ctx) + 1)}) if with_context else []
     for t in sorted({pow2(n, 16) for n in range(1, config.max_num_batched_tokens + 1)}):
         for w in sorted({build.key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
             loras = [None] + [(modules, sa) for modules in module_sets
