@@ -263,7 +263,7 @@ def _main(args, argv: list[str]) -> dict:
         llm.load_adapters(paths)
         result["register_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        result["warmup_shapes"] = llm.warmup(max_context=w.input_range[1] + w.output_range[1],
+        result["warmup_shapes"] = llm.warmup(max_context=w.longest_context,
                                              workers=args.warmup_workers)
         result["warmup_compile_s"] = time.perf_counter() - t
         result["pool_at_start"] = llm.stats()

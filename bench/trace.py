@@ -73,6 +73,13 @@ class Workload:
     engine: tuple = ()                 # sorted (key, value) EngineConfig fields for LLM(**options)
     sweep: tuple = ()                  # sorted (key, values) for the GPU suite
 
+    @property
+    def longest_context(self) -> int:
+        """Prompt + output tokens a request of this trace may reach: what warm-up compiles for."""
+        if self.system_prompt_range is not None:
+            return self.max_context
+        return self.input_range[1] + self.output_range[1]
+
     def __post_init__(self):
         for f in ("ranks", "input_range", "output_range", "system_prompt_range"):
             if getattr(self, f) is not None:

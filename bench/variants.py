@@ -69,7 +69,7 @@ def run_variants(args, argv: list[str], parse, header) -> dict:
     print(f"[variants] model loaded in {load_s:.1f} s, {len(paths)} adapters registered in {register_s:.1f} s, "
           f"{num_pages} pages", flush=True)
     t = time.perf_counter()
-    shapes = llm.warmup(max_context=max(w.input_range[1] + w.output_range[1] for w in ws.values()),
+    shapes = llm.warmup(max_context=max(w.longest_context for w in ws.values()),
                         workers=args.warmup_workers)
     compile_s = time.perf_counter() - t
     print(f"[variants] warm-up compiled {shapes} step shapes in {compile_s:.0f} s", flush=True)
@@ -132,7 +132,7 @@ def _run_variant(llm, name, v, w, trace, k, argv, out_dir, opts0, num_pages, loa
         # Other engine options (a LoRA backend, slots, ...) may mean other step buckets: compile
         # them before serving; the ones the first warm-up compiled are in-memory cache hits.
         t = time.perf_counter()
-        shapes = llm.warmup(max_context=w.input_range[1] + w.output_range[1], progress=False, workers=workers)
+        shapes = llm.warmup(max_context=w.longest_context, progress=False, workers=workers)
         variant_warmup = {"shapes": shapes, "seconds": time.perf_counter() - t}
         print(f"[variants] {name}: warm-up of its engine options, {shapes} shapes in "
               f"{variant_warmup['seconds']:.0f} s", flush=True)

@@ -22,7 +22,7 @@ from slora_jax.model.peft import random_peft_adapter
 from slora_jax.model.config import load_model_config
 
 
-@pytest.mark.parametrize("workload", ["S1", "S2", "S4"])
+@pytest.mark.parametrize("workload", ["S1", "S2", "S4", "multitenant"])
 def test_warmup_shapes_trace_with_gpu_backends(workload, tmp_path):
     w = load_workload(workload)
     cfg = load_model_config("tiny")
@@ -34,7 +34,7 @@ def test_warmup_shapes_trace_with_gpu_backends(workload, tmp_path):
         llm.load_adapter(f"rank{r}", random_peft_adapter(tmp_path / f"r{r}", cfg, rank=r, seed=r,
                                                          targets=["q_proj", "k_proj", "v_proj", "o_proj"]))
     eng = llm.engine
-    shapes = eng.warmup_shapes(max_context=w.input_range[1] + w.output_range[1])
+    shapes = eng.warmup_shapes(max_context=w.longest_context)
     with_lora = [inp for inp in shapes if inp.lora is not None]
     assert with_lora and any(not inp.decode for inp in with_lora), "no LoRA prefill shape to trace"
     assert max(inp.tokens.shape[0] for inp in with_lora if not inp.decode) > 256  # past split-K's limit
