@@ -40,7 +40,7 @@ class EngineConfig:
     page_size: int = 16                      # vectors per page; 1 is S-LoRA's token-granular pool
     gpu_memory_utilization: float = 0.9      # share of the device's total memory the engine may use
     pool_pages: int | None = None            # an exact pool size; overrides gpu_memory_utilization
-    enable_prefix_caching: bool = False      # share full KV pages of equal prefixes (same adapter version)
+    enable_prefix_caching: bool = True       # share full KV pages of equal prefixes (same adapter version)
     eviction_policy: str = "lru"             # idle adapters and cached pages: "lru" or "cost" (pool.py)
     # -- batching -------------------------------------------------------------------------------
     max_num_seqs: int = 64                   # running requests
