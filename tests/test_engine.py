@@ -99,7 +99,7 @@ def assert_drained(llm):
     st = llm.stats()
     assert st["running"] == 0 and st["waiting"] == 0 and not llm.engine.has_unfinished()
     assert st["kv_pages"] == 0
-    assert st["free_pages"] == st["total_pages"] - st["adapter_pages"]
+    assert st["free_pages"] == st["total_pages"] - st["adapter_pages"] - st["prefix_cache"]["cached_pages"]
     llm.engine.pool.check()
 
 
@@ -667,7 +667,7 @@ def test_separate_region_kv_preempts_never_evicts(paths, ref):
     assert_same(outs, ref["old"])
     st = engine.stats()
     assert st["preempted"] > 0 and st["evictions"] == 0, st
-    assert st["adapter_pages"] == region and st["free_pages"] == st["total_pages"] - region
+    assert st["adapter_pages"] == region and st["free_pages"] == st["total_pages"] - region - st["prefix_cache"]["cached_pages"]
     assert_drained(engine)
 
 
@@ -725,10 +725,10 @@ def test_adapter_regions_that_leave_no_kv_are_refused(paths):
 def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, overlap, background):
     """After warmup (before serving, or on a background thread), a base-model request of any length
     up to max_context meets no new step shape and no backend compile, and outputs are the shared
-    engine's."""
+    engine's. Without prefix caching (the shapes with context: tests/test_context_warmup.py)."""
     from jax import monitoring
     eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
-                   async_scheduling=overlap)
+                   async_scheduling=overlap, enable_prefix_caching=False)
     if background:
         done = []
         eng.engine.warmup_in_background(max_context=32, on_done=lambda count, _: done.append(count)).join(120)
@@ -862,8 +862,10 @@ def test_auto_lora_backend_switches_on_distinct_adapters(paths, monkeypatch):
 
 def test_warmup_with_adapters_covers_the_lora_buckets(paths, ref):
     """With adapters registered, warmup also compiles every LoRA slot bucket on their modules: the
-    mixed batch W then runs without a new step shape, and as the reference."""
-    eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_num_batched_tokens=64)
+    mixed batch W then runs without a new step shape, and as the reference. Without prefix caching
+    (its shapes with context: tests/test_context_warmup.py)."""
+    eng = make_llm(paths, page_size=16, pool_pages=BIG, max_num_seqs=8, max_num_batched_tokens=64,
+                   enable_prefix_caching=False)
     n = eng.warmup(max_context=16, progress=False, workers=2)  # two compile threads
     # decode: batches 1, 2, 4, 8 (one page), each base and LoRA at its one slot bucket (at least 8,
     # at most the batch); prefill of 16, 32, 64 tokens (up to MAX_PREFILL_SEQS = 16 sequences),

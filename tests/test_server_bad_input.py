@@ -368,7 +368,7 @@ def test_aborted_by_server_503(env):
 def test_no_leaks_at_the_end(env):
     st, srv = env[:2]
     s = wait_idle(st.url, headers=H)
-    assert s["kv_pages"] == 0 and s["free_pages"] + s["adapter_pages"] == s["total_pages"]
+    assert s["kv_pages"] == 0 and s["free_pages"] + s["adapter_pages"] + s["prefix_cache"]["cached_pages"] == s["total_pages"]
     assert srv.engine.in_flight == 0
     assert os.path.isdir(env[2])  # nothing outside was touched
     assert json.loads((env[2] / "good" / "adapter_config.json").read_text())["peft_type"] == "LORA"

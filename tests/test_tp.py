@@ -116,7 +116,7 @@ def test_tensor_parallel_serves_as_one_device(tp_run, backend):
     for got, want in zip(two["prompt_logits"], runs["one_device_prompt_logits"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
     pages = two["pages_after"]
-    assert pages["kv_pages"] == 0 and pages["free_pages"] + pages["adapter_pages"] == pages["total_pages"]
+    assert pages["kv_pages"] == 0 and pages["free_pages"] + pages["adapter_pages"] + pages["prefix_cache"]["cached_pages"] == pages["total_pages"]
 
 
 @pytest.mark.oracle

@@ -69,7 +69,7 @@ def main(out: str, backends: list[str]) -> None:
                                         e.prompt_logits(prompts[:2], ["late", None])]
                 llm.unload_adapter("late")
                 st = e.stats()
-                run["pages_after"] = {k: st[k] for k in ("total_pages", "free_pages", "kv_pages", "adapter_pages")}
+                run["pages_after"] = {k: st[k] for k in ("total_pages", "free_pages", "kv_pages", "adapter_pages", "prefix_cache")}
             runs[tp] = run
         one = LLM("tiny", adapters={k: paths[k] for k in ("late", "qv4")}, dtype="float32", page_size=16,
                   pool_pages=64, lora_backend=backend, attention_backend=backend)
