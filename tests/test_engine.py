@@ -753,6 +753,34 @@ def test_warmup_compiles_the_base_buckets_and_changes_no_output(paths, llm, over
     assert_drained(eng)
 
 
+def test_background_warmup_waits_while_a_step_compiles_on_first_use(paths, monkeypatch):
+    """A step of a new shape clears Engine.compile_gate for its dispatch (a waiting request's compile
+    goes first); a step of a known shape leaves it set; and the background warm-up starts no shape
+    while the gate is clear, then compiles every one once it opens."""
+    eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=2, max_num_batched_tokens=32)
+    engine = eng.engine
+    gate_at_dispatch = []
+    dispatch = engine._dispatch
+    monkeypatch.setattr(engine, "_dispatch", lambda inp: (gate_at_dispatch.append(engine.compile_gate.is_set()),
+                                                          dispatch(inp))[1])
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng.generate([[7] * 3], sp)
+    first = list(gate_at_dispatch)
+    assert first[0] is False and engine.compile_gate.is_set()  # the first step compiled behind a closed gate
+    gate_at_dispatch.clear()
+    eng.generate([[7] * 3], sp)
+    assert gate_at_dispatch == [True] * len(first)  # the same shapes again: nothing compiles
+    engine.compile_gate.clear()
+    before = set(engine._shapes)
+    done = []
+    thread = engine.warmup_in_background(max_context=32, on_done=lambda count, _: done.append(count))
+    thread.join(1.0)
+    assert thread.is_alive() and not done and engine._shapes == before
+    engine.compile_gate.set()
+    thread.join(120)
+    assert done and done[0] > 0 and len(engine._shapes) >= done[0]
+
+
 def small_query_blocks(monkeypatch, block=16):
     """The xla packed prefill attention in blocks of `block` queries (attention.QUERY_BLOCK is read
     when a step traces: the compiled steps of other blocks are dropped)."""

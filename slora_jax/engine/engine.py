@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -193,6 +194,11 @@ class Engine:
         self.host_by_transition: dict[str, list] = {}
         self._last_kind = "none"
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
+        # Clear while a step compiles on its first use: a background warm-up waits before its next
+        # shape, so a waiting request's compile (or load from the persistent cache) does not share
+        # the host with every warm-up worker (warmup.compile_step).
+        self.compile_gate = threading.Event()
+        self.compile_gate.set()
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._last_done = 0.0
 
@@ -419,7 +425,12 @@ class Engine:
             self._shapes.add(shape)
         dispatched = time.perf_counter()
         with self.timer.phase("dispatch"):
-            results, top, prompt = self._dispatch(inp)
+            if first_run:
+                self.compile_gate.clear()
+            try:
+                results, top, prompt = self._dispatch(inp)
+            finally:
+                self.compile_gate.set()
         with self.timer.phase("prefetch"):
             self._write_adapters(self.sched.prefetch(plan))
             self.sched.advance(plan)

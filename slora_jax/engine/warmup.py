@@ -72,7 +72,10 @@ def compile_step(engine, inp: paged.StepInputs, spec) -> str:
     """Compile the step of `inp`'s shape, both of its jits (forward_sample and commit_kv), without
     running it: the pool enters as `spec` (pool_spec's ShapeDtypeStructs with the pool's shardings), so
     this is safe on any thread while the engine thread steps (and donates) the real pool. A later
-    step of that shape finds both executables in jit's cache. Returns a label for progress bars."""
+    step of that shape finds both executables in jit's cache. Waits first while the engine compiles
+    a step on its first use (Engine.compile_gate): a request is waiting for that one. Returns a
+    label for progress bars."""
+    engine.compile_gate.wait()
     if engine.tp is not None:
         lowered = paged.forward_sample_tp.lower(engine.params, spec, inp, cfg=engine.cfg, tp=engine.tp)
     else:
