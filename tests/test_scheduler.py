@@ -94,7 +94,7 @@ class Sim:
     def add(self, a: Arrival) -> Request:
         params = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True, ttft_slo=a.slo)
         rid = f"r{len(self.requests)}"
-        prompt = [1] * a.prompt
+        prompt = [3 + len(self.requests)] + [1] * (a.prompt - 1)  # distinct first tokens: no shared prefix
         req = Request(rid, list(prompt), a.prompt, params, 0, self.entries[a.adapter] if a.adapter else None,
                       RequestOutput(rid, prompt, adapter=a.adapter), frozenset(), self.clock())
         req.cold = a.adapter is not None and not self.pool.is_resident(self.entries[a.adapter].key)
