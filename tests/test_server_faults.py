@@ -37,7 +37,8 @@ from test_server import (ALL_LINEAR, ADAPTERS, demo_dir, reference, start_cli_se
 
 from slora_jax.demo import prepare
 from slora_jax.serve.async_engine import EngineError
-from slora_jax.serve.protocol import MAX_MESSAGES, from_engine_error, hide_paths
+from slora_jax.serve.errors import from_engine_error, hide_paths
+from slora_jax.serve.protocol import MAX_MESSAGES
 
 KEY = "sk-faults"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -29,7 +29,7 @@ from slora_jax.serve.app import build_app  # noqa: E402
 from slora_jax.serve.async_engine import Delta  # noqa: E402
 from slora_jax.serve.chat import ChatFormatter  # noqa: E402
 from slora_jax.serve.cli import ServerThread  # noqa: E402
-from slora_jax.serve.protocol import Choice  # noqa: E402
+from slora_jax.serve.responses import Choice  # noqa: E402
 
 KEYS = ["sk-one", "sk-two"]
 H = {"Authorization": f"Bearer {KEYS[1]}"}

@@ -24,7 +24,7 @@ counters by adapter name, as vLLM does: a scraper sees which adapters are in use
 an absolute server path: adapters show their path relative to their --allowed-adapter-dirs entry,
 or their name.
 
-Errors come in OpenAI's shape (protocol.py): 400 invalid input, 401 API key, 404 unknown model or
+Errors come in OpenAI's shape (errors.py): 400 invalid input, 401 API key, 404 unknown model or
 route, 429 too many requests in flight (Retry-After), 503 a request the engine aborted (no room,
 shutdown) or a dead engine (Retry-After), 500 an engine failure or a request the engine could not
 serve (code non_finite_output: its output is not finite; adapter_unavailable: its adapter's files
@@ -72,11 +72,11 @@ from slora_jax.serve.scoring import PromptPart, text_offsets
 from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
                                     UnloadAdapterRequest, request_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
-from slora_jax.serve.protocol import (ADAPTER_NAME, CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, APIError, Choice,
-                                      ClientGone, Limits, bad, chat_logprobs, check_adapter_path,
-                                      completion_logprobs, from_engine_error, get_bool, hide_paths,
-                                      message_chars, parse_json_body, parse_messages, parse_prompts,
-                                      sampling_params, usage)
+from slora_jax.serve.errors import APIError, ClientGone, bad, from_engine_error, hide_paths
+from slora_jax.serve.protocol import (ADAPTER_NAME, CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, Limits, check_adapter_path,
+                                      get_bool, message_chars, parse_json_body, parse_messages, parse_prompts,
+                                      sampling_params)
+from slora_jax.serve.responses import Choice, chat_logprobs, completion_logprobs, usage
 
 log = logging.getLogger(__name__)
 

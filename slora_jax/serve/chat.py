@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from slora_jax.serve.protocol import bad
+from slora_jax.serve.errors import bad
 
 
 class ChatFormatter:

@@ -15,7 +15,8 @@ import logging
 import os
 
 from slora_jax.serve.async_engine import EngineError
-from slora_jax.serve.protocol import ADAPTER_NAME, APIError, bad, check_adapter_path, from_engine_error, hide_paths
+from slora_jax.serve.errors import APIError, bad, from_engine_error, hide_paths
+from slora_jax.serve.protocol import ADAPTER_NAME, check_adapter_path
 
 log = logging.getLogger(__name__)
 

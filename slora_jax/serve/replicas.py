@@ -48,7 +48,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from slora_jax.serve.protocol import ADAPTER_NAME, MAX_BODY_BYTES, APIError, bad, check_adapter_path
+from slora_jax.serve.errors import APIError, bad
+from slora_jax.serve.protocol import ADAPTER_NAME, MAX_BODY_BYTES, check_adapter_path
 
 log = logging.getLogger(__name__)
 

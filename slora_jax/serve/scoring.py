@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from slora_jax.serve.protocol import Choice
+    from slora_jax.serve.responses import Choice
 
 
 def engine_prompt_logprobs(echo: bool, prompt_logprobs: int | None, logprobs: int | None,

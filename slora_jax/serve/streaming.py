@@ -9,7 +9,7 @@ import logging
 
 from fastapi.responses import StreamingResponse
 
-from slora_jax.serve.protocol import ClientGone
+from slora_jax.serve.errors import ClientGone
 
 log = logging.getLogger(__name__)
 
