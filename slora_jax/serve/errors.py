@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from slora_jax.serve.async_engine import EngineError
 
+
 class APIError(Exception):
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
              408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
