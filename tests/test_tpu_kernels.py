@@ -422,11 +422,11 @@ def _engine_prefill(rng, *, chunks, page_size=16, heads=4, kv_heads=2, d=128, ro
                          ids=["context", "fresh"])
 def test_prefill_kernel_through_the_step_tables(chunks):
     """The engine's packed prefill step (context pages, padding tokens, fresh prompts beside later
-    chunks) through tpu_prefill_tables and the TPU kernel equals the step's xla attention."""
-    from slora_jax.engine.attention import paged_attention_xla, tpu_prefill_blocks, tpu_prefill_tables
+    chunks) through prefill_tables and the TPU kernel equals the step's xla attention."""
+    from slora_jax.engine.attention import paged_attention_xla, tpu_prefill_blocks, prefill_tables
     rng = np.random.default_rng(9)
     q, k, v, pool, inp, total = _engine_prefill(rng, chunks=chunks)
-    table, ctx, seq_starts = tpu_prefill_tables(inp)
+    table, ctx, seq_starts = prefill_tables(inp)
     assert int(seq_starts[-1]) == total
     out = paged_prefill_attention(q, k, v, pool, table, ctx, seq_starts, blocks=tpu_prefill_blocks(q.shape[0]),
                                   interpret=True)

@@ -4,8 +4,10 @@
 attention_backend "pallas" decode steps take the Pallas paged decode kernel
 (pallas_kernels.paged_attention); under "pallas_tpu" decode and packed prefill steps take the
 Mosaic TPU kernels (pallas_kernels.tpu.paged_attention); everything else runs
-`paged_attention_xla`, the plain-jnp reference beside it. Attention only reads the pool;
-`commit_kv` writes the step's K/V afterwards, in a jit of its own.
+`paged_attention_xla`, the plain-jnp reference beside it. `prefill_tables` gives the prefill
+kernels (the TPU one, and pallas_kernels.prefill_attention on the GPU, which
+bench/prefill_attention.py measures against the xla path) each sequence's context. Attention
+only reads the pool; `commit_kv` writes the step's K/V afterwards, in a jit of its own.
 
 `inp` is the step's StepInputs (slora_jax.engine.step).
 """
@@ -90,8 +92,8 @@ def paged_attention_xla(q, k, v, pool_layer, inp):
     return out.reshape(q.shape)
 
 
-def tpu_prefill_tables(inp):
-    """The TPU prefill kernel's (page_table [S, K], ctx_lens [S], seq_starts [S + 1]) of a packed
+def prefill_tables(inp):
+    """The prefill kernels' (page_table [S, K], ctx_lens [S], seq_starts [S + 1]) of a packed
     prefill step: row s is sequence s. The step's tokens are already grouped by sequence in row
     order with the padding last (StepInputBuilder.prefill), so seq_starts counts them; the step's
     context pages (ctx_pages, each sequence's in turn) are scattered into a table as wide as all
@@ -127,7 +129,7 @@ def write_kv(pool_layer, k, v, kv_slot):
 def paged_attend(inp):
     """Attention reads the pool; each layer's new K/V is returned and written by `commit_kv`."""
     if not inp.decode and inp.attention_backend == "pallas_tpu":
-        tables = tpu_prefill_tables(inp)  # once a step, shared by every layer
+        tables = prefill_tables(inp)  # once a step, shared by every layer
 
     def attend(layer, q, k, v, state):
         pool, pending = state

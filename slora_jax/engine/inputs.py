@@ -162,6 +162,14 @@ class AdapterSlots:
         return tuple(m for m in TARGET_MODULES if m in have | self._union)  # a replaced version's
 
 
+def xla_key_window(t: int, longest: int) -> int:
+    """The key window of the xla attention's packed prefill step of t tokens whose longest chunk
+    has `longest` (0: none, every query block reads every new token)."""
+    qb = min(t, attention.QUERY_BLOCK)
+    window = max(qb, pow2(longest))
+    return window if window + qb < t else 0
+
+
 class StepInputBuilder:
     """Builds each step's `StepInputs` from its plan.
 
@@ -303,11 +311,8 @@ class StepInputBuilder:
 
     @staticmethod
     def key_window(t: int, longest: int) -> int:
-        """The key window of a packed prefill step of t tokens whose longest chunk has `longest`
-        (0: none, every query block reads every new token)."""
-        qb = min(t, attention.QUERY_BLOCK)
-        window = max(qb, pow2(longest))
-        return window if window + qb < t else 0
+        """The key window of a packed prefill step (xla_key_window)."""
+        return xla_key_window(t, longest)
 
     def page_table(self, reqs: list[Request], s: int, floor: int = 1) -> np.ndarray:
         lists = [self.pool.kv[r.rid] for r in reqs]
