@@ -5,10 +5,10 @@ leaked (`kv_pages == 0`, nothing running, waiting or in flight).
 
 Covered: API key (401), unknown model (404), invalid parameters (400: negative, zero, huge or
 mistyped max_tokens; temperature and top_p out of range; empty, over-long and mistyped prompts and
-messages; malformed bodies; strict JSON types, so true is not an integer and "0.5" not a number, with
-the path of a nested field at fault as the error's param), adapters refused at load (400: outside --allowed-adapter-dirs, '..'
-traversal, symlinks out, corrupt or mismatched weights, a rank above max_lora_rank; the served set
-is unchanged), unloading a busy adapter (400), overload (429 + Retry-After), and requests the engine
+messages; malformed bodies; strict JSON types, so true is not an integer and "0.5" not a number,
+with the path of a nested field at fault as the error's param), adapters refused at load (400:
+outside --allowed-adapter-dirs, '..' traversal, symlinks out, corrupt or mismatched weights, a rank
+above max_lora_rank; the served set is unchanged), unloading a busy adapter (400), overload (429 + Retry-After), and requests the engine
 aborts before their first token (503 + Retry-After).
 """
 
