@@ -5,9 +5,10 @@ leaked (`kv_pages == 0`, nothing running, waiting or in flight).
 
 Covered: API key (401), unknown model (404), invalid parameters (400: negative, zero, huge or
 mistyped max_tokens; temperature and top_p out of range; empty, over-long and mistyped prompts and
-messages; malformed bodies), adapters refused at load (400: outside --allowed-adapter-dirs, '..'
-traversal, symlinks out, corrupt or mismatched weights, a rank above max_lora_rank; the served set
-is unchanged), unloading a busy adapter (400), overload (429 + Retry-After), and requests the engine
+messages; malformed bodies; strict JSON types, so true is not an integer and "0.5" not a number,
+with the path of a nested field at fault as the error's param), adapters refused at load (400:
+outside --allowed-adapter-dirs, '..' traversal, symlinks out, corrupt or mismatched weights, a rank
+above max_lora_rank; the served set is unchanged), unloading a busy adapter (400), overload (429 + Retry-After), and requests the engine
 aborts before their first token (503 + Retry-After).
 """
 
@@ -98,43 +99,47 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 COMPLETION_CASES = [  # (id, body changes, status, message, param)
     ("unknown-model", {"model": "nope"}, 404, "The model `nope` does not exist", "model"),
-    ("model-not-a-string", {"model": 5}, 400, "model must be a string", "model"),
-    ("model-a-list", {"model": []}, 400, "model must be a string", "model"),
-    ("model-an-object", {"model": {"a": 1}}, 400, "model must be a string", "model"),
-    ("max-tokens-negative", {"max_tokens": -1}, 400, "max_tokens must be >= 1", "max_tokens"),
+    ("model-not-a-string", {"model": 5}, 400, "model: Input should be a valid string", "model"),
+    ("model-a-list", {"model": []}, 400, "model: Input should be a valid string", "model"),
+    ("model-an-object", {"model": {"a": 1}}, 400, "model: Input should be a valid string", "model"),
+    ("max-tokens-negative", {"max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 0",
+     "max_tokens"),
     ("max-tokens-zero", {"max_tokens": 0}, 400, "max_tokens must be >= 1", "max_tokens"),
     ("max-tokens-huge", {"max_tokens": 10**9}, 400, "maximum context length is 1024", "max_tokens"),
-    ("max-tokens-string", {"max_tokens": "5"}, 400, "max_tokens must be an integer", "max_tokens"),
-    ("max-tokens-float", {"max_tokens": 1.5}, 400, "max_tokens must be an integer", "max_tokens"),
-    ("max-tokens-bool", {"max_tokens": True}, 400, "max_tokens must be an integer", "max_tokens"),
-    ("temperature-negative", {"temperature": -0.5}, 400, "temperature must be in [0, 2]", "temperature"),
-    ("temperature-huge", {"temperature": 2.5}, 400, "temperature must be in [0, 2]", "temperature"),
-    ("temperature-string", {"temperature": "hot"}, 400, "temperature must be a number", "temperature"),
-    ("top-p-zero", {"top_p": 0}, 400, "top_p must be in (0, 1]", "top_p"),
-    ("top-p-big", {"top_p": 1.5}, 400, "top_p must be in (0, 1]", "top_p"),
-    ("top-k-negative", {"top_k": -5}, 400, "top_k must be >= -1", "top_k"),
-    ("seed-string", {"seed": "x"}, 400, "seed must be an integer", "seed"),
-    ("n-zero", {"n": 0}, 400, "n must be >= 1", "n"),
-    ("stream-string", {"stream": "yes"}, 400, "stream must be true or false", "stream"),
-    ("stop-int", {"stop": 5}, 400, "stop must be", "stop"),
-    ("logprobs-big", {"logprobs": 21}, 400, "logprobs must be <= 20", "logprobs"),
-    ("penalty", {"presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]", "presence_penalty"),
-    ("logit-bias-range", {"logit_bias": {"5": -101}}, 400, "logit_bias values must be numbers in [-100, 100]",
-     "logit_bias"),
+    ("max-tokens-string", {"max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+    ("max-tokens-float", {"max_tokens": 1.5}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+    ("max-tokens-bool", {"max_tokens": True}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+    ("temperature-negative", {"temperature": -0.5}, 400, "temperature: Input should be greater than or equal to 0",
+     "temperature"),
+    ("temperature-huge", {"temperature": 2.5}, 400, "temperature: Input should be less than or equal to 2",
+     "temperature"),
+    ("temperature-string", {"temperature": "hot"}, 400, "temperature: Input should be a valid number", "temperature"),
+    ("top-p-zero", {"top_p": 0}, 400, "top_p: Input should be greater than 0", "top_p"),
+    ("top-p-big", {"top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1", "top_p"),
+    ("top-k-negative", {"top_k": -5}, 400, "top_k: Input should be greater than or equal to -1", "top_k"),
+    ("seed-string", {"seed": "x"}, 400, "seed: Input should be a valid integer", "seed"),
+    ("n-zero", {"n": 0}, 400, "n: Input should be greater than or equal to 1", "n"),
+    ("stream-string", {"stream": "yes"}, 400, "stream: Input should be a valid boolean", "stream"),
+    ("stop-int", {"stop": 5}, 400, "stop: Input should be a string or a list of strings", "stop"),
+    ("logprobs-big", {"logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20", "logprobs"),
+    ("penalty", {"presence_penalty": 2.5}, 400, "presence_penalty: Input should be less than or equal to 2",
+     "presence_penalty"),
+    ("logit-bias-range", {"logit_bias": {"5": -101}}, 400,
+     'logit_bias["5"]: Input should be greater than or equal to -100', "logit_bias"),
     ("stop-token-ids", {"stop_token_ids": [99999]}, 400, "stop_token_ids must be", "stop_token_ids"),
-    ("ttft-slo-negative", {"ttft_slo": -1}, 400, "ttft_slo must be in", "ttft_slo"),
-    ("prompt-empty-string", {"prompt": ""}, 400, "the prompt is empty", "prompt"),
-    ("prompt-empty-list", {"prompt": []}, 400, "the prompt is empty", "prompt"),
-    ("prompt-empty-in-batch", {"prompt": [[]]}, 400, "the prompt is empty", "prompt[0]"),
+    ("ttft-slo-negative", {"ttft_slo": -1}, 400, "ttft_slo: Input should be greater than 0", "ttft_slo"),
+    ("prompt-empty-string", {"prompt": ""}, 400, "prompt: String should have at least 1 character", "prompt"),
+    ("prompt-empty-list", {"prompt": []}, 400, "prompt: List should have at least 1 item", "prompt"),
+    ("prompt-empty-in-batch", {"prompt": [[]]}, 400, "prompt[0]: List should have at least 1 item", "prompt[0]"),
     ("prompt-too-long-text", {"prompt": LONG_TEXT}, 400, "maximum context length is 1024", "prompt"),
     ("prompt-too-long-ids", {"prompt": [5] * 1024}, 400, "maximum context length is 1024", "prompt"),
     ("prompt-fills-context", {"prompt": [5] * 1020, "max_tokens": 10}, 400, "1030 tokens", "max_tokens"),
     ("prompt-far-too-long", {"prompt": "a" * (1024 * 64 + 1)}, 400, "far over the maximum context", "prompt"),
-    ("prompt-int", {"prompt": 123}, 400, "prompt must be a string", "prompt"),
-    ("prompt-object", {"prompt": {"x": 1}}, 400, "prompt must be a string", "prompt"),
-    ("prompt-mixed-list", {"prompt": [1, "a"]}, 400, "prompt must be a string", "prompt"),
+    ("prompt-int", {"prompt": 123}, 400, "prompt: Input should be a string, a list of strings", "prompt"),
+    ("prompt-object", {"prompt": {"x": 1}}, 400, "prompt: Input should be a string, a list of strings", "prompt"),
+    ("prompt-mixed-list", {"prompt": [1, "a"]}, 400, "prompt: Input should be a string, a list of strings", "prompt"),
     ("prompt-token-out-of-range", {"prompt": [1, 100000]}, 400, "token ids must be in [0, 512)", "prompt"),
-    ("prompt-missing", {"prompt": None}, 400, "prompt is required", "prompt"),
+    ("prompt-missing", {"prompt": None}, 400, "prompt: Field required", "prompt"),
 ]
 
 
@@ -152,17 +157,18 @@ def test_completion_errors(env, change, status, match, param):
 
 CHAT_CASES = [
     ("unknown-model", {"model": "nope"}, 404, "does not exist", "model"),
-    ("model-a-list", {"model": []}, 400, "model must be a string", "model"),
-    ("messages-string", {"messages": "hi"}, 400, "messages must be a non-empty list", "messages"),
-    ("messages-empty", {"messages": []}, 400, "messages must be a non-empty list", "messages"),
-    ("messages-missing", {"messages": None}, 400, "messages must be a non-empty list", "messages"),
-    ("message-not-object", {"messages": ["hi"]}, 400, "messages[0] must be an object", "messages[0]"),
-    ("role-unknown", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role must be one of",
-     "messages[0].role"),
-    ("content-int", {"messages": [{"role": "user", "content": 5}]}, 400, "content must be a string",
-     "messages[0].content"),
+    ("model-a-list", {"model": []}, 400, "model: Input should be a valid string", "model"),
+    ("messages-string", {"messages": "hi"}, 400, "messages: Input should be a valid list", "messages"),
+    ("messages-empty", {"messages": []}, 400, "messages: List should have at least 1 item", "messages"),
+    ("messages-missing", {"messages": None}, 400, "messages: Field required", "messages"),
+    ("message-not-object", {"messages": ["hi"]}, 400, "messages[0]: Input should be a valid dictionary",
+     "messages[0]"),
+    ("role-unknown", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'", "messages[0].role"),
+    ("content-int", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content: Input should be a string or a list of text parts", "messages[0].content"),
     ("content-image", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "only text parts", "messages[0].content"),
+     "messages[0].content[0].type: Input should be 'text'", "messages[0].content[0].type"),
     ("content-all-empty", {"messages": [{"role": "user", "content": ""}]}, 400, "messages are all empty", "messages"),
     ("content-too-long", {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400,
      "maximum context length is 1024", "messages"),
@@ -170,7 +176,7 @@ CHAT_CASES = [
      "max_completion_tokens"),
     ("top-logprobs-without-logprobs", {"top_logprobs": 2}, 400, "top_logprobs needs logprobs", "top_logprobs"),
     ("tools", {"tools": [{"type": "function"}]}, 400, "tools are not supported", "tools"),
-    ("temperature", {"temperature": 3}, 400, "temperature must be in [0, 2]", "temperature"),
+    ("temperature", {"temperature": 3}, 400, "temperature: Input should be less than or equal to 2", "temperature"),
 ]
 
 
@@ -180,6 +186,73 @@ def test_chat_errors(env, change, status, match, param):
     body = {k: v for k, v in {**CHAT, **change}.items() if v is not None}
     for stream in (False, True):
         assert_error(post(st.url, "/v1/chat/completions", {**body, "stream": stream}), status, match, param)
+    assert_serves(st.url)
+
+
+STRICT_CASES = [  # (id, route, body, message, param, code): the body's model, strict as JSON's types are
+    ("bool-for-int", "/v1/completions", {**OK, "n": True}, "n: Input should be a valid integer", "n", "invalid_type"),
+    ("string-for-int", "/v1/completions", {**OK, "top_k": "5"}, "top_k: Input should be a valid integer", "top_k",
+     "invalid_type"),
+    ("float-for-int", "/v1/completions", {**OK, "seed": 1.0}, "seed: Input should be a valid integer", "seed",
+     "invalid_type"),
+    ("bool-for-number", "/v1/completions", {**OK, "temperature": False}, "temperature: Input should be a valid number",
+     "temperature", "invalid_type"),
+    ("string-for-number", "/v1/completions", {**OK, "top_p": "0.5"}, "top_p: Input should be a valid number", "top_p",
+     "invalid_type"),
+    ("int-for-bool", "/v1/completions", {**OK, "echo": 1}, "echo: Input should be a valid boolean", "echo",
+     "invalid_type"),
+    ("int-past-double", "/v1/completions", {**OK, "min_p": 10**400}, "min_p: Input should be less than or equal to 1",
+     "min_p", "invalid_value"),
+    ("token-id-bool", "/v1/completions", {**OK, "prompt": [1, True]}, "prompt[1]: Input should be a valid integer",
+     "prompt[1]", "invalid_type"),
+    ("token-id-in-batch", "/v1/completions", {**OK, "prompt": ["a", [1, -2]]},
+     "prompt[1][1]: Input should be greater than or equal to 0", "prompt[1][1]", "invalid_value"),
+    ("nested-object-field", "/v1/completions", {**OK, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage: Input should be a valid boolean", "stream_options.include_usage", "invalid_type"),
+    ("map-value", "/v1/completions", {**OK, "logit_bias": {"7": "x"}}, 'logit_bias["7"]: Input should be a valid number',
+     "logit_bias", "invalid_type"),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 3}, "prompt: Field required", "prompt",
+     "missing_required_parameter"),
+    ("role-in-second-message", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]},
+     "messages[1].role: Input should be", "messages[1].role", "invalid_value"),
+    ("role-missing", "/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, "messages[0].role: Field required",
+     "messages[0].role", "missing_required_parameter"),
+    ("part-text-int", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                                 "text": 5}]}]},
+     "messages[0].content[0].text: Input should be a valid string", "messages[0].content[0].text", "invalid_type"),
+    ("user-without-content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]},
+     "messages[0].content: only an assistant message may have no content", "messages[0].content",
+     "missing_required_parameter"),
+    ("logprobs-int-in-chat", "/v1/chat/completions", {**CHAT, "logprobs": 2}, "logprobs: Input should be a valid boolean",
+     "logprobs", "invalid_type"),
+    ("load-inplace-string", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "good", "load_inplace": "yes"},
+     "load_inplace: Input should be a valid boolean", "load_inplace", "invalid_type"),
+    ("unload-name-int", "/v1/unload_lora_adapter", {"lora_name": 5}, "lora_name: Input should be a valid string",
+     "lora_name", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize("route,body,match,param,code", [c[1:] for c in STRICT_CASES], ids=[c[0] for c in STRICT_CASES])
+def test_strict_types_and_paths(env, route, body, match, param, code):
+    """A body that does not fit its model is a 400 (never FastAPI's 422, never a 500) whose message
+    names the field's path in the body and whose param is that path."""
+    st = env[0]
+    err = assert_error(post(st.url, route, body), 400, match, param)
+    assert err["code"] == code, err
+    assert_serves(st.url)
+
+
+def test_integers_for_numbers_and_an_assistant_without_content(env):
+    """An integer is a number; an assistant message may leave out its content (null or omitted)."""
+    st = env[0]
+    r = post(st.url, "/v1/completions", {**OK, "temperature": 1, "top_p": 1, "presence_penalty": -2,
+                                         "logit_bias": {"5": 100}, "ttft_slo": 60})
+    assert r.status_code == 200, r.text
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "more"}]}]
+    r = post(st.url, "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 200, r.text
     assert_serves(st.url)
 
 
@@ -235,14 +308,15 @@ def adapter_cases(allowed: Path, outside: Path):
          "lora_path"),
         ("replace-with-corrupt", {"lora_name": SERVED[1], "lora_path": str(allowed / "corrupt-weights"),
                                   "load_inplace": True}, 400, "cannot read safetensors", "lora_path"),
-        ("name-missing", {"lora_path": str(allowed / "good")}, 400, "lora_name must be", "lora_name"),
-        ("name-int", {"lora_name": 5, "lora_path": str(allowed / "good")}, 400, "lora_name must be", "lora_name"),
-        ("name-spaces", {"lora_name": "a b", "lora_path": str(allowed / "good")}, 400, "lora_name must be",
+        ("name-missing", {"lora_path": str(allowed / "good")}, 400, "lora_name: Field required", "lora_name"),
+        ("name-int", {"lora_name": 5, "lora_path": str(allowed / "good")}, 400, "lora_name: Input should be a valid string",
          "lora_name"),
+        ("name-spaces", {"lora_name": "a b", "lora_path": str(allowed / "good")}, 400,
+         "lora_name: String should match pattern", "lora_name"),
         ("name-is-base", {"lora_name": "tiny", "lora_path": str(allowed / "good")}, 400, "base model", "lora_name"),
         ("name-taken", {"lora_name": SERVED[0], "lora_path": str(allowed / "good")}, 400, "already been loaded",
          "lora_name"),
-        ("path-missing", {"lora_name": "x"}, 400, "lora_path must be", "lora_path"),
+        ("path-missing", {"lora_name": "x"}, 400, "lora_path: Field required", "lora_path"),
         ("path-nul", {"lora_name": "x", "lora_path": str(allowed) + "/a\x00b"}, 400, "NUL", "lora_path"),
     ]
 
@@ -271,7 +345,7 @@ def test_unload_errors(env):
                  "lora_name")
     assert_error(post(st.url, "/v1/unload_lora_adapter", {"lora_name": "tiny"}), 400, "base model cannot be unloaded",
                  "lora_name")
-    assert_error(post(st.url, "/v1/unload_lora_adapter", {}), 400, "lora_name must be", "lora_name")
+    assert_error(post(st.url, "/v1/unload_lora_adapter", {}), 400, "lora_name: Field required", "lora_name")
     assert_serves(st.url)
 
 

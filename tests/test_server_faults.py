@@ -38,7 +38,7 @@ from test_server import (ALL_LINEAR, ADAPTERS, demo_dir, reference, start_cli_se
 from slora_jax.demo import prepare
 from slora_jax.serve.async_engine import EngineError
 from slora_jax.serve.errors import from_engine_error, hide_paths
-from slora_jax.serve.protocol import MAX_MESSAGES
+from slora_jax.serve.schema import MAX_MESSAGES
 
 KEY = "sk-faults"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -98,19 +98,23 @@ def assert_serves(url):
 OK = {"model": SERVED[0], "prompt": text(2), "max_tokens": 3}
 
 RANGE_CASES = [  # (id, body changes, message, param): every value that reaches the device
-    ("top-k-past-int32", {"top_k": 2**31}, "top_k must be <= 2147483647", "top_k"),
-    ("top-k-huge", {"top_k": 10**30}, "top_k must be <=", "top_k"),
-    ("seed-past-int64", {"seed": 2**64}, "seed must be <=", "seed"),
-    ("seed-below-int64", {"seed": -(2**64)}, "seed must be >=", "seed"),
-    ("temperature-past-double", {"temperature": 10**400}, "temperature must be in [0, 2]", "temperature"),
-    ("top-p-past-double", {"top_p": -(10**400)}, "top_p must be in (0, 1]", "top_p"),
-    ("ttft-slo-past-double", {"ttft_slo": 10**400}, "ttft_slo must be in", "ttft_slo"),
-    ("logprobs-huge", {"logprobs": 2**40}, "logprobs must be <= 20", "logprobs"),
-    ("n-huge", {"n": 2**40}, "n must be <= 16", "n"),
-    ("stop-token-ids-many", {"stop_token_ids": [5] * 65}, "at most 64 stop_token_ids", "stop_token_ids"),
-    ("stop-token-id-negative", {"stop_token_ids": [-1]}, "stop_token_ids must be", "stop_token_ids"),
-    ("stop-string-long", {"stop": "x" * 1025}, "at most 1024 characters", "stop"),
-    ("stop-strings-many", {"stop": ["x"] * 17}, "at most 16 stop strings", "stop"),
+    ("top-k-past-int32", {"top_k": 2**31}, "top_k: Input should be less than or equal to 2147483647", "top_k"),
+    ("top-k-huge", {"top_k": 10**30}, "top_k: Input should be less than or equal to", "top_k"),
+    ("seed-past-int64", {"seed": 2**64}, "seed: Input should be less than or equal to", "seed"),
+    ("seed-below-int64", {"seed": -(2**64)}, "seed: Input should be greater than or equal to", "seed"),
+    ("temperature-past-double", {"temperature": 10**400}, "temperature: Input should be less than or equal to 2",
+     "temperature"),
+    ("top-p-past-double", {"top_p": -(10**400)}, "top_p: Input should be greater than 0", "top_p"),
+    ("ttft-slo-past-double", {"ttft_slo": 10**400}, "ttft_slo: Input should be less than or equal to 3600",
+     "ttft_slo"),
+    ("logprobs-huge", {"logprobs": 2**40}, "logprobs: Input should be less than or equal to 20", "logprobs"),
+    ("n-huge", {"n": 2**40}, "n: Input should be less than or equal to 16", "n"),
+    ("stop-token-ids-many", {"stop_token_ids": [5] * 65}, "stop_token_ids: List should have at most 64 items",
+     "stop_token_ids"),
+    ("stop-token-id-negative", {"stop_token_ids": [-1]}, "stop_token_ids[0]: Input should be greater than or equal to 0",
+     "stop_token_ids[0]"),
+    ("stop-string-long", {"stop": "x" * 1025}, "stop: String should have at most 1024 characters", "stop"),
+    ("stop-strings-many", {"stop": ["x"] * 17}, "stop: List should have at most 16 items", "stop"),
     ("max-tokens-past-int64", {"max_tokens": 2**70}, "maximum context length", "max_tokens"),
 ]
 
@@ -201,7 +205,7 @@ def test_message_count_and_chat_characters_bounded(env):
     t0 = time.perf_counter()
     worst, r = health_latencies(st.url, lambda: post(st.url, "/v1/chat/completions", many))
     took = time.perf_counter() - t0
-    assert_error(r, 400, f"at most {MAX_MESSAGES} messages", "messages")
+    assert_error(r, 400, f"messages: List should have at most {MAX_MESSAGES} items", "messages")
     # a loaded machine slows the body's parse too: /health waits a third of the request at most
     assert worst < max(1.0, took / 3), (worst, took)
     named = {"messages": [{"role": "user", "name": "n" * 100, "content": ""}] * 1000 +

@@ -30,12 +30,13 @@ shutdown) or a dead engine (Retry-After), 500 an engine failure or a request the
 serve (code non_finite_output: its output is not finite; adapter_unavailable: its adapter's files
 cannot be read; step_failed: a step fails whenever its row is in it; that request alone ends; a
 stream ends with an error event and [DONE], finish_reason "error"), 408 a body that does not arrive
-within --request-timeout. Limits (protocol.py), checked before any tokenizing: the body's size and
-nesting (MAX_BODY_BYTES, MAX_JSON_DEPTH), prompts and messages a request (MAX_BATCH_PROMPTS,
-MAX_MESSAGES), the characters of a prompt or chat (CHARS_PER_TOKEN_LIMIT per token of context),
-stop strings and stop token ids, every number that reaches the device (top_k within int32, seed
-within int64), and prompt + max_tokens within the model's context length. Malformed Unicode (lone
-surrogates) and NaN or Infinity are 400s.
+within --request-timeout. Limits, checked before any tokenizing: the body's size and nesting
+(protocol.py: MAX_BODY_BYTES, MAX_JSON_DEPTH); then its shape, types and static bounds against its
+pydantic model (schema.py: prompts and messages a request, MAX_BATCH_PROMPTS and MAX_MESSAGES; stop
+strings and stop token ids; every number that reaches the device, top_k within int32, seed within
+int64); then (protocol.py) the characters of a prompt or chat (CHARS_PER_TOKEN_LIMIT per token of
+context), token ids within the vocabulary, and prompt + max_tokens within the model's context
+length. Malformed Unicode (lone surrogates) and NaN or Infinity are 400s.
 
 Shutdown: `drain()` (the CLI calls it on SIGTERM) answers new requests 503 + Retry-After, lets those
 in flight finish for --shutdown-timeout seconds, then aborts the rest: a stream ends with an error
@@ -51,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -61,6 +61,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slora_jax.sampling import SamplingParams
@@ -70,12 +71,11 @@ from slora_jax.serve.collector import EngineCollector
 from slora_jax.serve.first_use import FirstUseLoader
 from slora_jax.serve.scoring import PromptPart, text_offsets
 from slora_jax.serve.schema import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
-                                    UnloadAdapterRequest, request_body)
+                                    UnloadAdapterRequest, request_body, validate_body)
 from slora_jax.serve.streaming import SSEResponse, await_or_disconnect, sse_event
 from slora_jax.serve.errors import APIError, ClientGone, bad, from_engine_error, hide_paths
-from slora_jax.serve.protocol import (ADAPTER_NAME, CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, Limits, check_adapter_path,
-                                      get_bool, message_chars, parse_json_body, parse_messages, parse_prompts,
-                                      sampling_params)
+from slora_jax.serve.protocol import (CHARS_PER_TOKEN_LIMIT, MAX_BODY_BYTES, Limits, chat_messages, check_adapter_path,
+                                      message_chars, parse_json_body, prompt_ids, sampling_params)
 from slora_jax.serve.responses import Choice, chat_logprobs, completion_logprobs, usage
 
 log = logging.getLogger(__name__)
@@ -112,15 +112,10 @@ class Server:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    async def resolve_model(self, body: dict) -> str | None:
-        """The adapter a request asks for (None: the base model); an unregistered name is loaded
-        from --lora-search-dirs (first_use.py), else 404."""
-        model = body.get("model")
-        if model is None:
-            return None
-        if not isinstance(model, str):  # checked first: a list or an object is not hashable
-            raise bad(f"model must be a string, got {json.dumps(model)}", "model", "invalid_type")
-        if model in self.base_names:
+    async def resolve_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` asks for (None: the base model); an unregistered name is
+        loaded from --lora-search-dirs (first_use.py), else 404."""
+        if model is None or model in self.base_names:
             return None
         if model not in self.llm.store.entries:
             await self.first_use.load(model)
@@ -303,8 +298,9 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
 
     too_large = bad(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", None, "body_too_large")
 
-    async def json_body(request: Request) -> dict:
-        """The body as a JSON object, read within --request-timeout and parsed off the event loop."""
+    async def json_body(request: Request, model: type[BaseModel]) -> BaseModel:
+        """The body as `model`, read within --request-timeout, parsed as JSON (parse_json_body's
+        checks first) and validated off the event loop."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise too_large
@@ -323,19 +319,19 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within --request-timeout "
                            f"({srv.request_timeout:g} s)", None, "request_timeout") from None
-        return await asyncio.to_thread(parse_json_body, raw)
+        return await asyncio.to_thread(lambda: validate_body(model, parse_json_body(raw)))
 
     # -- generation endpoints ------------------------------------------------------------------
 
-    async def generate(request: Request, body: dict, prompts: list[list[int]], adapter: str | None,
-                       chat: bool):
-        sp, extras = sampling_params(body, chat=chat, limits=srv.limits, prompt_lens=[len(p) for p in prompts],
-                               adapter=adapter)
-        model = body.get("model") or srv.base
+    async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                       adapter: str | None, chat: bool):
+        sp, extras = sampling_params(req, chat=chat, limits=srv.limits, prompt_lens=[len(p) for p in prompts],
+                                     adapter=adapter)
+        model = req.model or srv.base
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         choices = srv.submit(prompts, sp, adapter, extras)
-        part = PromptPart(srv, body, prompts, extras)  # echo and prompt_logprobs
+        part = PromptPart(srv, None if chat else req.prompt, prompts, extras)  # echo and prompt_logprobs
 
         def release_all():
             for c in choices:
@@ -441,16 +437,16 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
-        body = await json_body(request)
-        adapter = await srv.resolve_model(body)
-        prompts = await asyncio.to_thread(parse_prompts, body, srv.llm.tokenizer, srv.limits)
-        return await generate(request, body, prompts, adapter, chat=False)
+        req = await json_body(request, CompletionRequest)
+        adapter = await srv.resolve_model(req.model)
+        prompts = await asyncio.to_thread(prompt_ids, req, srv.llm.tokenizer, srv.limits)
+        return await generate(request, req, prompts, adapter, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await json_body(request)
-        adapter = await srv.resolve_model(body)
-        messages = parse_messages(body)
+        req = await json_body(request, ChatCompletionRequest)
+        adapter = await srv.resolve_model(req.model)
+        messages = chat_messages(req)
         if srv.llm.tokenizer is None:
             raise bad("this model has no tokenizer.json, so it cannot chat; use /v1/completions with "
                       "token ids", "messages")
@@ -460,7 +456,7 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
                       f"the maximum context length of {srv.limits.max_model_len} tokens", "messages",
                       "context_length_exceeded")
         ids = await asyncio.to_thread(srv.chat.encode, messages)
-        return await generate(request, body, [ids], adapter, chat=True)
+        return await generate(request, req, [ids], adapter, chat=True)
 
     # -- models and adapters -------------------------------------------------------------------
 
@@ -490,21 +486,15 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
 
     @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadAdapterRequest))
     async def load_lora_adapter(request: Request):
-        body = await json_body(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
-            raise bad("lora_name must be a name of 1-256 characters: letters, digits and ._:/@+-",
-                      "lora_name", "invalid_type" if not isinstance(name, str) else "invalid_value")
-        if not isinstance(path, str) or not path:
-            raise bad("lora_path must be a non-empty string", "lora_path", "invalid_type")
+        req = await json_body(request, LoadAdapterRequest)
+        name, inplace = req.lora_name, bool(req.load_inplace)
         if name in srv.base_names:
             raise bad(f"{name!r} is the base model's name", "lora_name")
-        inplace = get_bool(body, "load_inplace")
         exists = bad(f"The lora adapter '{name}' has already been loaded; pass load_inplace: true to "
                      "replace it", "lora_name", "adapter_exists")
         if name in srv.llm.store.entries and not inplace:
             raise exists
-        real = check_adapter_path(path, srv.allowed)
+        real = check_adapter_path(req.lora_path, srv.allowed)
 
         def load():
             # Checked again on the engine thread, where loads run one at a time: of several
@@ -526,10 +516,7 @@ def build_app(llm, served_model_name: str | list[str] | None = None, *, api_key:
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadAdapterRequest))
     async def unload_lora_adapter(request: Request):
-        body = await json_body(request)
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise bad("lora_name must be a non-empty string", "lora_name", "invalid_type")
+        name = (await json_body(request, UnloadAdapterRequest)).lora_name
         if name in srv.base_names:
             raise bad("the base model cannot be unloaded", "lora_name")
         try:

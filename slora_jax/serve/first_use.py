@@ -16,7 +16,8 @@ import os
 
 from slora_jax.serve.async_engine import EngineError
 from slora_jax.serve.errors import APIError, bad, from_engine_error, hide_paths
-from slora_jax.serve.protocol import ADAPTER_NAME, check_adapter_path
+from slora_jax.serve.protocol import check_adapter_path
+from slora_jax.serve.schema import ADAPTER_NAME
 
 log = logging.getLogger(__name__)
 

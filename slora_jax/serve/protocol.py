@@ -1,10 +1,15 @@
-"""The OpenAI requests as the server reads them: the body, sampling parameters, prompts, chat
-messages and adapter paths, each checked. The error shape is errors.py's; the pieces of a response
-are responses.py's.
+"""The OpenAI requests as the server reads them, after their models (schema.py) have validated
+each body's shape, types and static bounds: what needs the model, the pool or the server's state.
+The error shape is errors.py's; the pieces of a response are responses.py's.
 
-Requests are plain JSON checked by hand, so every error names its parameter (errors.bad).
 `parse_json_body` refuses what the rest of the server cannot take (lone surrogates, NaN, deep
-nesting) before any field is read, and every number that reaches the device is range-checked, so
+nesting, a body that is not an object) before the body meets its model. On the validated model,
+this module checks what no static schema can state: token ids (prompts, stop_token_ids, logit_bias
+keys) within the vocabulary, prompt + max_tokens within the context length, the default max_tokens
+(what fits the pool), n x prompts <= MAX_BATCH_PROMPTS, min_tokens <= max_tokens, max_tokens 0
+only with echo or prompt_logprobs, top_logprobs only with logprobs, the characters of a prompt or
+a chat before tokenizing, and adapter paths (check_adapter_path). Every error is a 400 that names
+its parameter (errors.bad), and every number that reaches the device has been range-checked, so
 one request can never fail a step shared with others.
 
 Sampling parameters: max_tokens (max_completion_tokens for chat), temperature [0, 2], top_p, seed,
@@ -15,61 +20,33 @@ LLM.generate), and vLLM's extensions top_k, min_p, min_tokens, repetition_penalt
 stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, return_token_ids (adds
 `token_ids` and `prompt_token_ids` to each choice), and ttft_slo (seconds: the scheduler aborts the
 request, 503, when its first token cannot come in time); echo (completions) and prompt_logprobs
-0..20 (scoring.py; max_tokens may then be 0). Chat's echo, best_of > 1, suffix and tools are
-refused with 400 rather than silently ignored, and so is every other field of vLLM's
-CompletionRequest and ChatCompletionRequest set to anything but its "off" value (fields.py's
-REFUSED_FIELDS; docs/openai-api.md has the table). Fields vLLM does not know either are logged and
-ignored.
+0..20 (scoring.py; max_tokens may then be 0). A field the request leaves out takes SamplingParams'
+default. Chat's echo, best_of > 1, suffix and tools are refused with 400 rather than silently
+ignored, and so is every other field of vLLM's CompletionRequest and ChatCompletionRequest set to
+anything but its "off" value (fields.py's REFUSED_FIELDS; docs/openai-api.md has the table). Fields
+vLLM does not know either are logged and ignored.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 
-from slora_jax.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from slora_jax.sampling import SamplingParams
 from slora_jax.serve.errors import bad
 from slora_jax.serve.fields import REFUSED_FIELDS, SUPPORTED_FIELDS, is_off
+from slora_jax.serve.schema import MAX_BATCH_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingFields
 from slora_jax.serve.scoring import engine_prompt_logprobs
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024        # the longest stop string
-MAX_STOP_TOKEN_IDS = 64
-MAX_BATCH_PROMPTS = 256     # prompts times n
-MAX_N = 16
-MAX_MESSAGES = 1024
 MAX_BODY_BYTES = 16 << 20
 MAX_JSON_DEPTH = 32          # nesting of objects and lists in a request body
 CHARS_PER_TOKEN_LIMIT = 64   # text longer than max_model_len * this is refused before tokenizing
 MESSAGE_CHARS = 16           # what a chat template adds per message, at least, counted before rendering
-INT32_MAX = 2**31 - 1        # top_k reaches the device as int32
-SEED_RANGE = (-(2**63), 2**63 - 1)
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,255}$")
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 log = logging.getLogger(__name__)
 
-def refuse_unimplemented(body: dict, chat: bool) -> None:
-    """A 400 naming the first field vLLM accepts and this server does not implement, when it is
-    set to anything but its "off" value; other unknown fields are logged and ignored, as vLLM does."""
-    kind = "chat" if chat else "completions"
-    refused = REFUSED_FIELDS[kind]
-    for name, v in body.items():
-        if name in SUPPORTED_FIELDS[kind]:
-            continue
-        if name in refused:
-            if not is_off(v, refused[name]):
-                raise bad(f"{name} is not supported by this server (allowed: "
-                          f"{', '.join([json.dumps(o) for o in refused[name]] + ['null'])})",
-                          name, "unsupported_parameter")
-        else:
-            log.warning("ignoring unknown field %r in a %s request", name, kind)
-
-
-# ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
 # the body
 
@@ -117,60 +94,33 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# field readers
+# fields the models do not declare
 
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def get_int(body: dict, name: str, lo: int | None = None, hi: int | None = None, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_int(v):
-        raise bad(f"{name} must be an integer, got {json.dumps(v)}", name, "invalid_type")
-    if lo is not None and v < lo:
-        raise bad(f"{name} must be >= {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise bad(f"{name} must be <= {hi}, got {v}", name)
-    return v
-
-
-def get_number(body: dict, name: str, lo: float, hi: float, default, lo_open: bool = False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_number(v):
-        raise bad(f"{name} must be a number, got {json.dumps(v)}", name, "invalid_type")
-    try:
-        v = float(v)
-    except OverflowError:  # an integer too large for a float
-        v = math.inf
-    if not (lo < v if lo_open else lo <= v) or not v <= hi:  # NaN fails both
-        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}", name)
-    return v
-
-
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {json.dumps(v)}", name, "invalid_type")
-    return v
-
-
-def refuse_unsupported(body: dict, chat: bool) -> None:
+def refuse_unsupported(extra: dict, chat: bool) -> None:
+    """A 400 for chat's echo, suffix, tools or best_of > 1, which vLLM reads and this server does not do."""
     names = (("echo", "echo in chat is"),) if chat else ()  # completions' echo: scoring.py
     for name, what in names + (("suffix", "suffix is"), ("tools", "tools are")):
-        if body.get(name):
+        if extra.get(name):
             raise bad(f"{what} not supported", name, "unsupported_parameter")
-    if body.get("best_of") not in (None, 1):
+    if extra.get("best_of") not in (None, 1):
         raise bad("best_of is not supported (only 1)", "best_of", "unsupported_parameter")
+
+
+def refuse_unimplemented(extra: dict, chat: bool) -> None:
+    """A 400 naming the first field vLLM accepts and this server does not implement, when it is
+    set to anything but its "off" value; other unknown fields are logged and ignored, as vLLM does."""
+    kind = "chat" if chat else "completions"
+    refused = REFUSED_FIELDS[kind]
+    for name, v in extra.items():
+        if name in SUPPORTED_FIELDS[kind]:
+            continue
+        if name in refused:
+            if not is_off(v, refused[name]):
+                raise bad(f"{name} is not supported by this server (allowed: "
+                          f"{', '.join([json.dumps(o) for o in refused[name]] + ['null'])})",
+                          name, "unsupported_parameter")
+        else:
+            log.warning("ignoring unknown field %r in a %s request", name, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,19 +150,48 @@ class Limits:
         return lo
 
 
-def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list[int],
+ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "ttft_slo", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty")  # SamplingParams' own, passed as validated
+
+
+def sampling_params(req: SamplingFields, *, chat: bool, limits: Limits, prompt_lens: list[int],
                     adapter: str | None) -> tuple[SamplingParams, dict]:
     """SamplingParams for every prompt of the request, and the server-side extras (stop strings,
     logprobs wanted, stream, include_usage, return_token_ids)."""
-    refuse_unsupported(body, chat)
-    refuse_unimplemented(body, chat)
-    if chat:
-        mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    else:
-        mt_name = "max_tokens"
-    echo, prompt_lp = get_bool(body, "echo"), get_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)  # scoring.py
-    max_tokens = get_int(body, mt_name, 0 if echo or prompt_lp is not None else 1, None)
-    longest = max(prompt_lens)
+    extra = req.model_extra or {}
+    refuse_unsupported(extra, chat)
+    refuse_unimplemented(extra, chat)
+    echo = not chat and bool(req.echo)
+    max_tokens = max_tokens_of(req, chat, echo, limits, max(prompt_lens), adapter)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad(f"min_tokens must be <= max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
+    if req.stop_token_ids is not None and any(t >= limits.vocab for t in req.stop_token_ids):
+        raise bad(f"stop_token_ids must be token ids in [0, {limits.vocab})", "stop_token_ids")
+    lp = logprobs_of(req, chat)
+    n = req.n or 1
+    if n * len(prompt_lens) > MAX_BATCH_PROMPTS:
+        raise bad(f"{len(prompt_lens)} prompts times n={n} is over {MAX_BATCH_PROMPTS} completions per request", "n")
+    given = {k: v for k in ENGINE_FIELDS if (v := getattr(req, k)) is not None}
+    try:
+        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=req.stop_token_ids, min_tokens=req.min_tokens or 0,
+                            logprobs=lp if lp is not None else False, logit_bias=logit_bias(req.logit_bias, limits.vocab),
+                            prompt_logprobs=engine_prompt_logprobs(echo, req.prompt_logprobs, lp, max_tokens), **given)
+    except ValueError as e:  # anything the checks above missed
+        raise bad(str(e)) from None
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    so = req.stream_options
+    return sp, dict(stop=stop, logprobs=lp, stream=bool(req.stream), include_usage=bool(so and so.include_usage),
+                    n=n, echo=echo, prompt_logprobs=req.prompt_logprobs, return_token_ids=bool(req.return_token_ids),
+                    include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                    skip_special_tokens=req.skip_special_tokens is not False)
+
+
+def max_tokens_of(req: SamplingFields, chat: bool, echo: bool, limits: Limits, longest: int,
+                  adapter: str | None) -> int:
+    """The request's max_tokens (chat: max_completion_tokens, else max_tokens) within the context
+    length, or its default: 16 for completions, for chat what fits the context and the pool."""
+    mt_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, mt_name)
     ctx = limits.max_model_len
     prompt_param = "messages" if chat else "prompt"
     if longest >= ctx:
@@ -223,134 +202,59 @@ def sampling_params(body: dict, *, chat: bool, limits: Limits, prompt_lens: list
         if max_tokens < 1:
             raise bad(f"the prompt of {longest} tokens leaves no room to generate in the pool",
                       prompt_param, "context_length_exceeded")
-    elif longest + max_tokens > ctx:
+        return max_tokens
+    if max_tokens == 0 and not echo and req.prompt_logprobs is None:
+        raise bad(f"{mt_name} must be >= 1 (0 only with echo or prompt_logprobs)", mt_name)
+    if longest + max_tokens > ctx:
         raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
                   f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
                   f"completion). Please reduce the prompt or {mt_name}.", mt_name, "context_length_exceeded")
-    temperature = get_number(body, "temperature", 0.0, 2.0, 1.0)
-    top_p = get_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True)
-    top_k = get_int(body, "top_k", -1, INT32_MAX, 0)
-    seed = get_int(body, "seed", *SEED_RANGE)
-    ignore_eos = get_bool(body, "ignore_eos")
-    ttft_slo = get_number(body, "ttft_slo", 0.0, 3600.0, None, lo_open=True)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < limits.vocab for t in stop_ids):
-            raise bad(f"stop_token_ids must be a list of token ids in [0, {limits.vocab})", "stop_token_ids")
-        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop must be a non-empty string or a list of non-empty strings", "stop", "invalid_type")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
-    if chat:
-        want_lp = get_bool(body, "logprobs")
-        top_lp = get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
-        if top_lp is not None and not want_lp:
-            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-        lp = (top_lp or 0) if want_lp else None
-    else:
-        lp = get_int(body, "logprobs", 0, MAX_LOGPROBS)
-    n = get_int(body, "n", 1, MAX_N, 1)
-    if n * len(prompt_lens) > MAX_BATCH_PROMPTS:
-        raise bad(f"{len(prompt_lens)} prompts times n={n} is over {MAX_BATCH_PROMPTS} completions per request", "n")
-    stream = get_bool(body, "stream")
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise bad("stream_options must be an object", "stream_options", "invalid_type")
-    include_usage = bool(so and get_bool(so, "include_usage"))
-    try:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop_token_ids=stop_ids, logprobs=lp if lp is not None else False,
-                            ignore_eos=ignore_eos, **sampling_extras(body, limits.vocab, max_tokens),
-                            prompt_logprobs=engine_prompt_logprobs(echo, prompt_lp, lp, max_tokens),
-                            **({"ttft_slo": ttft_slo} if ttft_slo is not None else {}))
-    except ValueError as e:  # anything the checks above missed
-        raise bad(str(e)) from None
-    return sp, dict(stop=stop, logprobs=lp, stream=stream, include_usage=include_usage, n=n, echo=echo,
-                    prompt_logprobs=prompt_lp,
-                    return_token_ids=get_bool(body, "return_token_ids"),
-                    include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
-                    skip_special_tokens=get_bool(body, "skip_special_tokens", True))
+    return max_tokens
 
 
-def sampling_extras(body: dict, vocab: int, max_tokens: int) -> dict:
-    """min_p, min_tokens, the penalties and logit_bias, range-checked (SamplingParams' fields)."""
-    return dict(min_p=get_number(body, "min_p", 0.0, 1.0, 0.0),
-                min_tokens=get_int(body, "min_tokens", 0, max_tokens, 0),
-                presence_penalty=get_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-                frequency_penalty=get_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-                repetition_penalty=get_number(body, "repetition_penalty", 0.0, 10.0, 1.0, lo_open=True),
-                logit_bias=logit_bias(body, vocab))
+def logprobs_of(req: SamplingFields, chat: bool) -> int | None:
+    """The top logprobs wanted per token: completions' logprobs k; chat's top_logprobs (0 when
+    omitted) with logprobs: true; None when the request asks for none."""
+    if not chat:
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
-    """OpenAI's logit_bias: {token id as a string: bias in [-100, 100]}, ids in the vocabulary."""
-    v = body.get("logit_bias")
-    if v is None:
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias, {token id as a string: bias}, keyed by token ids in the vocabulary."""
+    if bias is None:
         return None
-    if not isinstance(v, dict):
-        raise bad("logit_bias must be an object mapping token ids to biases", "logit_bias", "invalid_type")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise bad(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", "logit_bias")
-    out = {}
-    for key, bias in v.items():
+    for key in bias:
         if not (key.isascii() and key.isdigit() and int(key) < vocab):
             raise bad(f"logit_bias keys must be token ids in [0, {vocab}), got {json.dumps(key)}", "logit_bias")
-        if not is_number(bias) or not -100 <= bias <= 100:
-            raise bad(f"logit_bias values must be numbers in [-100, 100], got {json.dumps(bias)}", "logit_bias")
-        out[int(key)] = float(bias)
-    return out
+    return {int(key): b for key, b in bias.items()}
 
 
 # ---------------------------------------------------------------------------------------------
 # prompts and adapter paths
 
-def tokenize_prompt(prompt, param: str, tokenizer, limits: Limits) -> list[int]:
+def tokenize_prompt(prompt: str | list[int], param: str, tokenizer, limits: Limits) -> list[int]:
     """One prompt, text or token ids, as token ids inside the model's vocabulary."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad("the prompt is empty", param)
         if tokenizer is None:
             raise bad("this model has no tokenizer.json: send token ids", param)
         if len(prompt) > limits.max_model_len * CHARS_PER_TOKEN_LIMIT:
             raise bad(f"the prompt of {len(prompt)} characters is far over the maximum context length "
                       f"of {limits.max_model_len} tokens", param, "context_length_exceeded")
         return tokenizer.encode(prompt)
-    if not prompt:
-        raise bad("the prompt is empty", param)
-    if not all(is_int(t) for t in prompt):
-        raise bad("a token-id prompt must be a list of integers", param, "invalid_type")
-    v = limits.vocab
-    if not all(0 <= t < v for t in prompt):
-        raise bad(f"token ids must be in [0, {v})", param)
+    if any(t >= limits.vocab for t in prompt):
+        raise bad(f"token ids must be in [0, {limits.vocab})", param)
     return list(prompt)
 
 
-def parse_prompts(body: dict, tokenizer, limits: Limits) -> list[list[int]]:
-    """The completions API's `prompt`: str | [str] | [int] | [[int]], as lists of token ids."""
-    p = body.get("prompt")
-    if isinstance(p, str):
+def prompt_ids(req: CompletionRequest, tokenizer, limits: Limits) -> list[list[int]]:
+    """The completions API's `prompt` (str | [int] | [str | [int]]) as lists of token ids."""
+    p = req.prompt
+    if isinstance(p, str) or isinstance(p[0], int):
         return [tokenize_prompt(p, "prompt", tokenizer, limits)]
-    if isinstance(p, list) and p and all(is_int(t) for t in p):
-        return [tokenize_prompt(p, "prompt", tokenizer, limits)]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > MAX_BATCH_PROMPTS:
-            raise bad(f"at most {MAX_BATCH_PROMPTS} prompts per request", "prompt")
-        return [tokenize_prompt(x, f"prompt[{i}]", tokenizer, limits) for i, x in enumerate(p)]
-    if p is None:
-        raise bad("prompt is required", "prompt", "missing_required_parameter")
-    if isinstance(p, list) and not p:
-        raise bad("the prompt is empty", "prompt")
-    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-              "token ids", "prompt", "invalid_type")
+    return [tokenize_prompt(x, f"prompt[{i}]", tokenizer, limits) for i, x in enumerate(p)]
 
 
 def check_adapter_path(path: str, allowed: list[str]) -> str:
@@ -380,40 +284,13 @@ def check_adapter_path(path: str, allowed: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # chat messages
 
-def parse_messages(body: dict) -> list[dict]:
-    """`messages` as [{"role", "content", "name"?}], text parts joined into one string."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages must be a non-empty list", "messages", "invalid_type")
-    if len(msgs) > MAX_MESSAGES:
-        raise bad(f"at most {MAX_MESSAGES} messages per request, got {len(msgs)}", "messages")
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """`messages` as [{"role", "content", "name"?}], text parts joined into one string and an
+    assistant's missing content empty."""
     out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where, "invalid_type")
-        role = m.get("role")
-        if role not in MESSAGE_ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}; got {json.dumps(role)}",
-                      f"{where}.role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise bad(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                              "are supported", f"{where}.content", "invalid_type")
-                parts.append(p["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content",
-                      "invalid_type")
-        msg = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        out.append({"role": m.role, "content": content, **({"name": m.name} if m.name is not None else {})})
     if all(not m["content"] for m in out):
         raise bad("messages are all empty", "messages")
     return out

@@ -49,7 +49,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from slora_jax.serve.errors import APIError, bad
-from slora_jax.serve.protocol import ADAPTER_NAME, MAX_BODY_BYTES, check_adapter_path
+from slora_jax.serve.protocol import MAX_BODY_BYTES, check_adapter_path
+from slora_jax.serve.schema import ADAPTER_NAME
 
 log = logging.getLogger(__name__)
 

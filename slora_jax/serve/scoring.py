@@ -10,10 +10,11 @@ clients (lm-evaluation-harness: echo=true, logprobs=k, max_tokens=0) read.
   choice for completions, at the response's top level for chat (as vLLM). max_tokens may be 0.
 - chat `echo` (vLLM: repeat the last message when continuing it) is refused with a 400.
 
-protocol.sampling_params reads the two fields (engine_prompt_logprobs: what the engine computes). A stream carries both on each choice's first
-chunk. The engine computes the prompt's logprobs (SamplingParams.prompt_logprobs, at the larger of
-prompt_logprobs and, with echo, logprobs); they are complete on the RequestOutput once its first
-token (or its end) has reached the server.
+schema.py declares the two fields and protocol.sampling_params reads them (engine_prompt_logprobs:
+what the engine computes). A stream carries both on each choice's first chunk. The engine computes
+the prompt's logprobs (SamplingParams.prompt_logprobs, at the larger of prompt_logprobs and, with
+echo, logprobs); they are complete on the RequestOutput once its first token (or its end) has
+reached the server.
 """
 
 from __future__ import annotations
@@ -56,16 +57,17 @@ def best(entry: dict[int, float], k: int, token: int) -> list[tuple[int, float]]
 
 class PromptPart:
     """What echo and prompt_logprobs add to one request's choices. srv: the app's Server (its
-    piece() and tokenizer); prompts: the token ids of each prompt, n completions each."""
+    piece() and tokenizer); prompt: the completions request's `prompt` as sent (None for chat);
+    prompts: the token ids of each prompt, n completions each."""
 
-    def __init__(self, srv, body: dict, prompts: list[list[int]], extras: dict):
+    def __init__(self, srv, prompt, prompts: list[list[int]], extras: dict):
         self.srv, self.n = srv, extras["n"]
         self.echo, self.k = extras["echo"], extras["prompt_logprobs"]
-        self.texts = self._texts(body, prompts, extras["skip_special_tokens"]) if self.echo else None
+        self.texts = self._texts(prompt, prompts, extras["skip_special_tokens"]) if self.echo else None
         self.sent: set[int] = set()  # streams: the choices whose first chunk went out
 
-    def _texts(self, body: dict, prompts: list[list[int]], skip_special: bool) -> list[str]:
-        p, tok = body.get("prompt"), self.srv.llm.tokenizer
+    def _texts(self, p, prompts: list[list[int]], skip_special: bool) -> list[str]:
+        tok = self.srv.llm.tokenizer
         raw = [p] if isinstance(p, str) or all(isinstance(t, int) for t in p) else p
         return [x if isinstance(x, str) else tok.decode(ids, skip_special) if tok is not None else ""
                 for x, ids in zip(raw, prompts)]
