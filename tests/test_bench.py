@@ -597,3 +597,19 @@ def test_read_floor_kernel_matches_reference(col_tile, splits):
     a_rows, b_rows = np.arange(40).reshape(2, 20), 100 + np.arange(40).reshape(2, 20)
     a, b = live_rows(a_rows, b_rows, np.array([3, 0]), fin=512, fout=256, width=256)
     assert a.tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10 and b.tolist() == [100, 101, 102] + [100] * 13
+
+
+def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    from bench import provenance
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    monkeypatch.delenv("SLORA_COMMIT", raising=False)
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    (tmp_path / "untracked.txt").write_text("not part of any result\n")
+    assert provenance.git_commit() == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert provenance.git_commit() == head + "-dirty"
