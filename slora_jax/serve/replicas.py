@@ -49,8 +49,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from slora_jax.serve.errors import APIError, bad
-from slora_jax.serve.protocol import MAX_BODY_BYTES, check_adapter_path
-from slora_jax.serve.schema import ADAPTER_NAME
+from slora_jax.serve.protocol import MAX_BODY_BYTES, check_adapter_path, parse_json_body
+from slora_jax.serve.schema import LoadAdapterRequest, UnloadAdapterRequest, validate_body
 
 log = logging.getLogger(__name__)
 
@@ -332,16 +332,13 @@ class Ingress:
     async def load_adapter(self, request: Request, body: bytes):
         """Register (or with load_inplace, replace) an adapter: one replica loads it now, the
         others on their first request for it."""
-        name, path = body_field(body, "lora_name"), body_field(body, "lora_path")
-        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
-            raise bad("lora_name must be a name of 1-256 characters: letters, digits and ._:/@+-", "lora_name")
-        if not isinstance(path, str) or not path:
-            raise bad("lora_path must be a non-empty string", "lora_path", "invalid_type")
+        req = validate_body(LoadAdapterRequest, parse_json_body(body))
+        name = req.lora_name
         if name == self.base:
             raise bad(f"{name!r} is the base model's name", "lora_name")
-        real = check_adapter_path(path, self.allowed)
+        real = check_adapter_path(req.lora_path, self.allowed)
         async with self.lock:
-            if name in self.registry and body_field(body, "load_inplace") is not True:
+            if name in self.registry and not req.load_inplace:
                 raise bad(f"The lora adapter '{name}' has already been loaded; pass load_inplace: true to "
                           "replace it", "lora_name", "adapter_exists")
             version = max((v for _, v in self.registry.values()), default=0) + 1
@@ -354,9 +351,7 @@ class Ingress:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     def unload_adapter(self, body: bytes):
-        name = body_field(body, "lora_name")
-        if not isinstance(name, str) or not name:
-            raise bad("lora_name must be a non-empty string", "lora_name", "invalid_type")
+        name = validate_body(UnloadAdapterRequest, parse_json_body(body)).lora_name
         if name not in self.registry:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
         self.removed[name] = self.registry.pop(name)[1]
