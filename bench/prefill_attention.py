@@ -9,7 +9,8 @@ context-page bucket of pow2(rows * context / page_size), pages in random order. 
 `paged_attention_xla` on those StepInputs (a dense masked attention over the whole step's context,
 key windows for fresh prompts); the kernel is `paged_prefill_attention` on `prefill_tables` of the
 same inputs, the engine's wiring. Both outputs are checked against each other on the real tokens
-before timing; time = median over --iters of one call's wall time (block_until_ready).
+before timing; time = median over --iters of one call's wall time (block_until_ready), and per new
+token. `--sizes 64x64,128x64` times the kernel at each (block_q x block_k) too.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.provenance import git_commit  # noqa: E402
-from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from pallas_kernels.prefill_attention import PrefillBlockSizes, paged_prefill_attention  # noqa: E402
 from slora_jax.engine import attention  # noqa: E402
 from slora_jax.engine.inputs import pow2, xla_key_window  # noqa: E402
 from slora_jax.engine.step import StepInputs  # noqa: E402
 
-# (name, rows, new tokens a row, context tokens a row)
-CASES = [("cached system prompts", 16, 100, 1300), ("continued chats", 8, 200, 2000),
-         ("fresh prompts", 16, 256, 0), ("one long chunk", 1, 2048, 2048)]
-QUICK = [("cached system prompts", 4, 20, 70), ("fresh prompts", 4, 32, 0)]
+# (name, rows, new tokens a row, context tokens a row). The engine's xla attention keeps a step's
+# context near a token budget's pages (256 at llama-7b's 4096), about 3 rows over 1,300 cached
+# tokens; the kernel reads each row's own context, so a step may take 16 such rows.
+CASES = [("cached prompts, xla cap", 3, 100, 1300), ("cached prompts, 16 rows", 16, 100, 1300),
+         ("continued chats", 8, 200, 2000), ("fresh prompts", 16, 256, 0), ("one long chunk", 1, 2048, 2048)]
+QUICK = [("cached prompts", 4, 20, 70), ("fresh prompts", 4, 32, 0)]
 
 
 def step_inputs(rows: int, new: int, context: int, ps: int, rng) -> tuple[StepInputs, int]:
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes (CPU smoke test)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--sizes", default="", help="kernel block sizes to time too: comma list of QxK")
     args = ap.parse_args()
     nh, kvh, d, ps = (4, 2, 16, 4) if args.quick else (32, 32, 128, 16)
     dtype = jnp.float32 if args.quick else jnp.bfloat16
@@ -97,22 +101,27 @@ def main() -> None:
         kq, kk, kv, kp = jax.random.split(key, 4)
         q = jax.random.normal(kq, (t, nh, d), dtype)
         k = jax.random.normal(kk, (t, kvh, d), dtype)
-        v = jax.random.normal(kv, (t, kvh, d), dtype)
+        vv = jax.random.normal(kv, (t, kvh, d), dtype)
         pool = jax.random.normal(kp, (n_pages, 2, ps, kvh * d), dtype)
-        xla = jax.jit(attention.paged_attention_xla)
-        kernel = jax.jit(lambda q, k, v, pool, inp: paged_prefill_attention(
-            q, k, v, pool, *attention.prefill_tables(inp)))
         real = rows * new
-        a, b = (np.asarray(f(q, k, v, pool, inp)[:real], np.float32) for f in (xla, kernel))
-        err = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-9))
+
+        def kernel_of(sizes=None):
+            return jax.jit(lambda q, k, v, pool, inp: paged_prefill_attention(
+                q, k, v, pool, *attention.prefill_tables(inp), sizes=sizes))
+        variants = {"xla": jax.jit(attention.paged_attention_xla), "kernel": kernel_of()}
+        for qk in filter(None, args.sizes.split(",")):
+            bq, bk = map(int, qk.split("x"))
+            variants[f"kernel {qk}"] = kernel_of(PrefillBlockSizes(bq, bk))
+        outs = {v: np.asarray(f(q, k, vv, pool, inp)[:real], np.float32) for v, f in variants.items()}
+        scale = max(np.abs(outs["xla"]).max(), 1e-9)
         row = {"case": name, "rows": rows, "new": new, "context": context, "tokens": t,
-               "context_pages": int(inp.ctx_pages.shape[0]) if context else 0, "max_rel_err": err,
-               "xla_ms": 1e3 * timed(xla, (q, k, v, pool, inp), args.iters),
-               "kernel_ms": 1e3 * timed(kernel, (q, k, v, pool, inp), args.iters)}
-        row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+               "context_pages": int(inp.ctx_pages.shape[0]) if context else 0,
+               "max_rel_err": {v: float(np.abs(o - outs["xla"]).max() / scale) for v, o in outs.items() if v != "xla"},
+               "ms": {v: 1e3 * timed(f, (q, k, vv, pool, inp), args.iters) for v, f in variants.items()}}
+        row["us_per_new_token"] = {v: 1e3 * ms / real for v, ms in row["ms"].items()}
         results.append(row)
-        print(f"{name:24s} rows {rows:3d} x {new:4d} new over {context:5d}: xla {row['xla_ms']:8.3f} ms  "
-              f"kernel {row['kernel_ms']:8.3f} ms  {row['speedup']:5.2f}x  err {err:.1e}", flush=True)
+        times = "  ".join(f"{v} {ms:8.3f} ms ({row['us_per_new_token'][v]:6.2f} us/token)" for v, ms in row["ms"].items())
+        print(f"{name:24s} {rows:3d} x {new:4d} new over {context:5d}: {times}", flush=True)
     out = {"commit": git_commit(), "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
            "jax": jax.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
            "layer": {"q_heads": nh, "kv_heads": kvh, "head_dim": d, "page_size": ps, "dtype": str(dtype.dtype)},

@@ -12,8 +12,13 @@ it for an H200 on the CPU.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +169,18 @@ def test_lowers_to_triton(nh, kvh, ps, dtype):
         warnings.simplefilter("ignore", DeprecationWarning)
         hlo = jax.jit(attn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_bench_script_checks_the_kernel_against_the_xla_attention(tmp_path):
+    """bench/prefill_attention.py --quick on the CPU: every case's kernel output equals the engine's
+    xla attention on the same step inputs, and the JSON records what was run."""
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "pa.json"
+    subprocess.run([sys.executable, str(repo / "bench" / "prefill_attention.py"), "--quick", "--iters", "1",
+                    "--sizes", "16x32", "--out", str(out)], check=True, cwd=repo, capture_output=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["platform"] == "cpu" and len(res["cases"]) == 2
+    for case in res["cases"]:
+        assert set(case["ms"]) == {"xla", "kernel", "kernel 16x32"}
+        assert max(case["max_rel_err"].values()) < 1e-5, case
