@@ -1285,3 +1285,19 @@ def test_llm_refuses_unknown_options_naming_the_valid_ones(paths):
     llm = make_llm(paths, ("a",), config=EngineConfig(page_size=4, max_num_seqs=3), pool_pages=BIG)
     assert (llm.config.page_size, llm.config.max_num_seqs, llm.config.pool_pages) == (4, 3, BIG)
     assert llm.engine.config is llm.config and llm.engine.sched.config is llm.config
+
+
+@pytest.mark.parametrize("env,kept", [({}, 0.0), ({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2.5"}, 2.5)])
+def test_compilation_cache_keeps_every_executable_unless_told(tmp_path, env, kept):
+    """enable_compilation_cache (in a fresh interpreter, so this one's JAX config stays as it is):
+    the cache directory, and a compile-time threshold of 0, so a restart compiles nothing small
+    again; the environment's threshold wins where it is set."""
+    import subprocess
+    import sys
+    code = ("import jax; from slora_jax.engine.engine import enable_compilation_cache as e; "
+            f"e({str(tmp_path)!r}); "
+            "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
+    base = {k: v for k, v in os.environ.items() if k != "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, "JAX_PLATFORMS": "cpu", **env},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path), str(kept)]

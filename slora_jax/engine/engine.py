@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -51,6 +52,16 @@ log = logging.getLogger(__name__)
 
 PHASES = ("schedule", "adapter_loads", "inputs", "dispatch", "prefetch", "device_wait", "complete")
 CPU_POOL_BYTES = 2**30  # a device that reports no memory limit (the CPU) gets this much pool
+
+
+def enable_compilation_cache(path: str) -> None:
+    """XLA's persistent compilation cache in `path`, keeping every executable: JAX's default keeps
+    only those that took a second or more to compile, so a restart would compile each step bucket's
+    small K/V commit again. JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS in the environment still
+    sets that threshold."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +172,7 @@ class Engine:
         # JAX bugs), and CPU compiles are short. GPU compiles are what the cache saves.
         if config.compilation_cache_dir and jax.config.jax_compilation_cache_dir is None and \
                 jax.default_backend() != "cpu":
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            enable_compilation_cache(config.compilation_cache_dir)
         self.ps = config.page_size
         self.num_pages = self._pool_pages()
         self.pool = self._make_pool(self.num_pages)
