@@ -5,9 +5,10 @@ A packed prefill step holds several sequences' chunks, one after another (seq_st
 each one's tokens, the padding comes last). Sequence s already has ctx_lens[s] tokens in the pool,
 on the pages of page_table[s] (slora_jax/model/layout.py: a layer is [pages, 2, page_size, W], W =
 kv_heads * head_dim). Work is proportional to what each sequence sees, sum over s of (its new
-tokens) x (its context + its new tokens), where a dense masked attention over the whole step
-costs (all new tokens) x (all context + all new tokens): with prefix caching a step packs many
-short chunks over long cached prefixes, and that difference is the step's cost.
+tokens) x (its context + its new tokens); the engine's xla attention is a dense masked attention
+over the whole step, (all new tokens) x (all context + all new tokens), so the engine keeps a
+step's context near a token budget's pages (Engine.context_pages), which with prefix caching
+leaves room for few rows over long cached prefixes.
 
 Grid (query block, query head). A query block is up to `block_q` new tokens of ONE sequence; the
 blocks of every sequence are numbered one after another (`query_blocks`), so a static grid of
