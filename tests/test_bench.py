@@ -613,3 +613,19 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert provenance.git_commit() == head
     (tmp_path / "f.py").write_text("a = 2\n")
     assert provenance.git_commit() == head + "-dirty"
+
+
+def test_step_hlo_lowers_the_plain_decode_step_with_the_triton_kernel():
+    """bench/step_hlo.py lowers for the GPU on this CPU: the decode kernel appears as one Triton call
+    (the kernel itself, not its CPU interpreter), and the text is deterministic."""
+    from bench import step_hlo
+    from slora_jax.model.config import load_model_config
+    import pallas_kernels.paged_attention as decode_kernel
+    cfg = load_model_config("tiny")
+    saved = decode_kernel._interpret
+    decode_kernel._interpret = lambda interpret: False
+    try:
+        texts = [step_hlo.step_hlo(cfg, 4, 4, 8, decode=True) for _ in range(2)]
+    finally:
+        decode_kernel._interpret = saved
+    assert texts[0] == texts[1] and texts[0].count("xla.gpu.triton") == 1
