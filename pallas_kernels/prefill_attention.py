@@ -143,7 +143,7 @@ def _prefill(q, k, v, pool_layer, page_table, ctx_lens, seq_starts, *, interpret
     kvh = k.shape[1]
     num_pages, _, ps, width = pool_layer.shape
     s = page_table.shape[0]
-    bq, bk = min(sizes.block_q, t), sizes.block_k
+    bq, bk = min(sizes.block_q, pl.next_power_of_2(t)), sizes.block_k  # Triton tiles are powers of two
     num_blocks = -(-t // bq) + s
     seq_starts = seq_starts.astype(jnp.int32)
     row, first = query_blocks(seq_starts, num_blocks, bq)

@@ -113,10 +113,12 @@ class TestPrefillAttention:
         np.testing.assert_allclose(ref[:n], want, rtol=tol, atol=tol)
         assert not got[n:].any() and not ref[n:].any()  # padding tokens: zeros
 
-    def test_one_sequence_without_context_is_causal_attention(self):
-        """A fresh prompt alone: plain causal self-attention, several query blocks."""
+    @pytest.mark.parametrize("sizes", [SIZES, pf.PrefillBlockSizes()], ids=["blocks16", "blocks64"])
+    def test_one_sequence_without_context_is_causal_attention(self, sizes):
+        """A fresh prompt alone: plain causal self-attention, over several query blocks, or in one
+        block larger than the step (48 tokens under 64-token blocks)."""
         args, seqs = make_step(16, "mha", jnp.float32, seed_of("fresh"), chunks=[(48, 0)], rows=1, padding=0)
-        got = np.asarray(pf.paged_prefill_attention(*args, interpret=self.INTERPRET, sizes=SIZES))
+        got = np.asarray(pf.paged_prefill_attention(*args, interpret=self.INTERPRET, sizes=sizes))
         np.testing.assert_allclose(got, numpy_attention(seqs, 4, 4), rtol=1e-5, atol=1e-5)
 
     @pytest.mark.parametrize("block_q,block_k", [(16, 32), (32, 16), (64, 64)])
