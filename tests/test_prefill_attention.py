@@ -105,8 +105,9 @@ class TestPrefillAttention:
         nh, kvh = HEADS[heads]
         got = np.asarray(pf.paged_prefill_attention(*args, interpret=self.INTERPRET, sizes=SIZES), np.float64)
         ref = np.asarray(pf.paged_prefill_attention_reference(*args), np.float64)
-        want = numpy_attention([tuple(np.asarray(jnp.asarray(a, dtype), np.float64) if i < 3 else a
-                                      for i, a in enumerate(s)) for s in seqs], nh, kvh)
+        as_kernel_sees = lambda a: np.asarray(jnp.asarray(a, dtype), np.float64)  # rounded to dtype
+        want = numpy_attention([(as_kernel_sees(q), as_kernel_sees(k), as_kernel_sees(v), c) for q, k, v, c in seqs],
+                               nh, kvh)
         n = want.shape[0]
         tol = TOL[dtype]
         np.testing.assert_allclose(got[:n], want, rtol=tol, atol=tol)
