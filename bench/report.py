@@ -93,6 +93,8 @@ def table(result: dict) -> str:
                      ("sequences / adapters a step", f"{num(k['seqs_per_step_mean'])} / {num(k['adapters_per_step_mean'])}"),
                      ("sequences / adapters a decode step",
                       f"{num(k.get('decode_seqs_per_step_mean'))} / {num(k.get('decode_adapters_per_step_mean'))}"),
+                     ("prompt tokens / rows over pooled context a prefill step",
+                      f"{num(k.get('prefill_tokens_per_step_mean'))} / {num(k.get('prefill_context_rows_per_step_mean'))}"),
                      ("prefill steps that paged an adapter in first (ms each)",
                       f"{k.get('prefill_steps_with_loads', '-')} ({ms(k.get('prefill_step_with_loads_s_mean'))})"),
                      ("prefetch hits / misses", f"{k['prefetch_hits']} / {k['prefetch_misses']}")]

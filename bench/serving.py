@@ -356,13 +356,15 @@ def _host_by_transition(before: dict, after: dict) -> dict:
 def _steps_by_kind(before: dict, after: dict) -> dict:
     """From two Engine.stats() snapshots: prefill and decode steps (timed ones: a first run of a
     shape is not timed), their mean seconds, and the mean sequences and distinct adapters a step,
-    plus prefetch hits and misses: what a run's throughput is made of."""
+    prompt tokens and rows over context a prefill step, plus prefetch hits and misses: what a run's
+    throughput is made of."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "prefill_step_seconds_count", "prefill_step_seconds_sum", "decode_step_seconds_count",
         "decode_step_seconds_sum", "batch_size_count", "batch_size_sum", "batch_adapters_count",
         "batch_adapters_sum", "decode_batch_size_count", "decode_batch_size_sum", "decode_batch_adapters_count",
         "decode_batch_adapters_sum", "prefetch_hits", "prefetch_misses",
-        "prefill_load_step_seconds_count", "prefill_load_step_seconds_sum")}
+        "prefill_load_step_seconds_count", "prefill_load_step_seconds_sum", "prefill_tokens_count",
+        "prefill_tokens_sum", "prefill_context_rows_count", "prefill_context_rows_sum")}
 
     def mean(total, n):
         return d[total] / d[n] if d[n] else None
@@ -372,6 +374,9 @@ def _steps_by_kind(before: dict, after: dict) -> dict:
             "prefill_steps_with_loads": d["prefill_load_step_seconds_count"],
             "prefill_step_with_loads_s_mean": mean("prefill_load_step_seconds_sum", "prefill_load_step_seconds_count"),
             "decode_step_s_mean": mean("decode_step_seconds_sum", "decode_step_seconds_count"),
+            # prompt tokens computed and rows over pooled context (cache hits, later chunks) a prefill step
+            "prefill_tokens_per_step_mean": mean("prefill_tokens_sum", "prefill_tokens_count"),
+            "prefill_context_rows_per_step_mean": mean("prefill_context_rows_sum", "prefill_context_rows_count"),
             "seqs_per_step_mean": mean("batch_size_sum", "batch_size_count"),
             "adapters_per_step_mean": mean("batch_adapters_sum", "batch_adapters_count"),
             "decode_seqs_per_step_mean": mean("decode_batch_size_sum", "decode_batch_size_count"),

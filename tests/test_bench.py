@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
 
 from bench import http_client, plots, report, run, serving  # noqa: E402
 from pallas_kernels import lora as lora_kernels  # noqa: E402
+from slora_jax.engine.scheduler import MAX_PREFILL_SEQS  # noqa: E402
 from bench.trace import (FixedBatch, Workload, generate, load_workload,  # noqa: E402
                          WORKLOAD_DIR)
 
@@ -187,6 +188,8 @@ def test_run_py_on_the_s1_cpu_miniature(s1_cpu):
     assert 0.0 < k["decode_adapters_per_step_mean"] <= k["decode_seqs_per_step_mean"]
     # S1's 2000-odd adapters: some prefill steps page one in first (their copy on the step's path)
     assert 0 < k["prefill_steps_with_loads"] <= k["prefill_steps"] and k["prefill_step_with_loads_s_mean"] > 0
+    assert 1 <= k["prefill_tokens_per_step_mean"] <= w.engine_options["max_num_batched_tokens"]
+    assert 0 <= k["prefill_context_rows_per_step_mean"] <= MAX_PREFILL_SEQS
     assert ph["device_wait"] > 0 and ph["inputs"] > 0 and all(v >= 0 for v in ph.values())
     assert sum(ph.values()) <= p["wall_s"]
     st = p["serving_trace"]  # 4 traced steps, summed by kernel on the CPU client's XLA threads

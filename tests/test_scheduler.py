@@ -464,6 +464,22 @@ def test_metrics_count_what_happened():
     assert all(isinstance(v, (int, float)) for v in snap.values())
 
 
+def test_prefill_metrics_count_prompt_tokens_and_rows_after_context():
+    """prefill_tokens sums every prompt token computed (each once: no preemption, no cache);
+    prefill_context_rows counts the chunks that start after context in the pool, here the later
+    chunks of prompts longer than a step's token budget."""
+    arrivals = [dataclasses.replace(a, t=0.0) for a in trace(24, 1.0, prompt=(8, 90), seed=4)]
+    sim = Sim(max_num_seqs=8, max_num_batched_tokens=64)
+    plans, schedule = [], sim.sched.schedule
+    sim.sched.schedule = lambda: plans.append(schedule()) or plans[-1]
+    sim.run(arrivals)
+    m = sim.sched.metrics
+    later = sum(start > 0 for p in plans if p.kind == "prefill" for _, start, _ in p.chunks)
+    assert m.prefill_tokens.sum == sum(a.prompt for a in arrivals) and sim.sched.num_preempted == 0
+    assert m.prefill_context_rows.sum == later > 0
+    assert m.prefill_tokens.count == m.prefill_context_rows.count == sum(p.kind == "prefill" for p in plans)
+
+
 def test_histogram_buckets():
     from slora_jax.engine.metrics import Histogram
     h = Histogram("x", (1.0, 2.0, 4.0))

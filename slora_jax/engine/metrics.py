@@ -15,6 +15,7 @@ import time
 # Seconds: 1 ms .. 60 s, roughly x2.5 apart (step times, adapter loads, time to first token).
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = tuple(2**k for k in range(4, 15))  # 16 .. 16384 tokens
 
 
 @dataclasses.dataclass
@@ -91,6 +92,10 @@ class EngineMetrics:
         self.decode_step_seconds = Histogram("decode step time (dispatch to results)")
         self.prefill_load_step_seconds = Histogram(
             "prefill step time (dispatch to results) of the prefill steps that paged an adapter in first")
+        self.prefill_tokens = Histogram("prompt tokens a prefill step computes", TOKEN_BUCKETS)
+        self.prefill_context_rows = Histogram(
+            "sequences of a prefill step that start after context in the pool (a cache hit or an earlier chunk)",
+            COUNT_BUCKETS)
         # pool
         self.resident_adapters = Gauge("adapter versions with pages in the pool")
         self.adapter_pages = Gauge("pool pages holding adapter weights")

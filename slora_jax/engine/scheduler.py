@@ -224,6 +224,9 @@ class Scheduler(AdapterPrefetch):
         if plan.kind == "decode":
             m.decode_batch_size.observe(len(plan.chunks))
             m.decode_batch_adapters.observe(adapters)
+        else:
+            m.prefill_tokens.observe(tokens)
+            m.prefill_context_rows.observe(sum(start > 0 for _, start, _ in plan.chunks))
 
     def _first_token(self, req: Request, now: float) -> None:
         if req.first_token_at is None:
