@@ -121,3 +121,37 @@ def test_context_arrays_list_each_sequences_pages_in_turn(adapter):
     assert arrays["ctx_pages"].tolist() == [7, 9, 11, 3]
     assert arrays["ctx_page_seq"].tolist() == [0, 0, 0, 2]
     assert arrays["ctx_page_fill"].tolist() == [4, 4, 1, 4]
+
+
+def test_prefill_kernel_reads_any_context_in_one_shape(adapter, monkeypatch):
+    """Under attention_backend "pallas" packed prefill runs the Pallas prefill kernel (interpret
+    mode on the CPU), whose work follows each row's own context: the scheduler sets no cap on a
+    step's context, every prefill step lists its context (none for fresh prompts) in one bucket
+    that holds every row at max_model_len, warm-up has one prefill shape per token bucket and
+    LoRA bucket, and the four cached prefixes that the xla engine splits over steps go in one.
+    The outputs are the xla engine's without caching."""
+    llm = LLM("tiny", adapters={"b": adapter}, dtype="float32", max_model_len=64, page_size=4, pool_pages=96,
+              max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True, attention_backend="pallas")
+    eng = llm.engine
+    assert eng.builder.prefill_kernel and eng.sched.max_context_pages is None
+    assert eng.builder.context_pages == 256  # 16 rows x 16 pages (64 tokens at page size 4)
+    warmed = [inp for inp in eng.warmup_shapes(64) if not inp.decode]
+    assert all(inp.prefill_context and inp.key_window == 0 for inp in warmed)
+    assert {inp.ctx_pages.shape[0] for inp in warmed} == {256}
+    off = make_llm(adapter, caching=False)
+    fresh = [inp for inp in off.engine.warmup_shapes(16) if not inp.decode]
+    assert len(warmed) == len(fresh) == len({shape_key(inp) for inp in warmed})
+    compile_shapes(eng, warmed, progress=False)
+    seen = []
+    spy(monkeypatch, eng, seen)
+    outs = generate(llm)
+    prefill = [inp for inp in seen if not inp.decode]
+    assert all(inp.prefill_context and inp.ctx_pages.shape[0] == 256 for inp in prefill)
+    assert {shape_key(inp) for inp in prefill} <= {shape_key(inp) for inp in warmed}
+    assert llm.stats()["prefix_cache"]["hits"] >= 12 * 4
+    rows_over_context = [len(set(np.asarray(inp.ctx_page_seq).tolist()) - {-1}) for inp in prefill]
+    assert max(rows_over_context) == 4  # the four cached prefixes, 12 pages, in one step
+    expected = generate(off)
+    for o, r in zip(outs, expected, strict=True):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-5, rtol=0)

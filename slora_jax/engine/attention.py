@@ -2,12 +2,11 @@
 
 `paged_attend(inp)` is the attention callback the model runs in every layer: under
 attention_backend "pallas" decode steps take the Pallas paged decode kernel
-(pallas_kernels.paged_attention); under "pallas_tpu" decode and packed prefill steps take the
-Mosaic TPU kernels (pallas_kernels.tpu.paged_attention); everything else runs
-`paged_attention_xla`, the plain-jnp reference beside it. `prefill_tables` gives the prefill
-kernels (the TPU one, and pallas_kernels.prefill_attention on the GPU, which
-bench/prefill_attention.py measures against the xla path) each sequence's context. Attention
-only reads the pool; `commit_kv` writes the step's K/V afterwards, in a jit of its own.
+(pallas_kernels.paged_attention) and packed prefill steps the Pallas prefill kernel
+(pallas_kernels.prefill_attention); under "pallas_tpu" both take the Mosaic TPU kernels
+(pallas_kernels.tpu.paged_attention); "xla" runs `paged_attention_xla`, the plain-jnp reference
+beside them. `prefill_tables` gives the prefill kernels each sequence's context. Attention only
+reads the pool; `commit_kv` writes the step's K/V afterwards, in a jit of its own.
 
 `inp` is the step's StepInputs (slora_jax.engine.step).
 """
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.prefill_attention import paged_prefill_attention
 from pallas_kernels.tpu import interpret_mode
 from pallas_kernels.tpu import paged_attention as tpu_attention
 from slora_jax.model import llama as model
@@ -128,7 +128,7 @@ def write_kv(pool_layer, k, v, kv_slot):
 
 def paged_attend(inp):
     """Attention reads the pool; each layer's new K/V is returned and written by `commit_kv`."""
-    if not inp.decode and inp.attention_backend == "pallas_tpu":
+    if not inp.decode and inp.attention_backend in ("pallas", "pallas_tpu"):
         tables = prefill_tables(inp)  # once a step, shared by every layer
 
     def attend(layer, q, k, v, state):
@@ -138,6 +138,8 @@ def paged_attend(inp):
         elif inp.decode and inp.attention_backend == "pallas_tpu":
             o = tpu_attention.paged_decode_attention(q, k, v, pool[layer], inp.page_table, inp.ctx_lens,
                                                      interpret=interpret_mode())
+        elif inp.attention_backend == "pallas":  # packed prefill
+            o = paged_prefill_attention(q, k, v, pool[layer], *tables)
         elif inp.attention_backend == "pallas_tpu":  # packed prefill
             o = tpu_attention.paged_prefill_attention(q, k, v, pool[layer], *tables,
                                                       blocks=tpu_prefill_blocks(q.shape[0]),

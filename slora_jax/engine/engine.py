@@ -194,7 +194,8 @@ class Engine:
         self.builder = StepInputBuilder(cfg, self.pool, self.ps, self.opts.attention_backend,
                                         self.decode_page_floor(), self.slots, feed=self.depth > 0,
                                         context_pages=self.context_pages())
-        self.sched.max_context_pages = self.builder.context_pages
+        # The prefill kernel's work follows each row's own context: no cap on a step's.
+        self.sched.max_context_pages = None if self.builder.prefill_kernel else self.builder.context_pages
         if self.depth:  # a step's results have these rows, so the next step can read them
             rows = _pow2(config.max_num_seqs + MAX_PREFILL_SEQS)
             self.builder.prev_results = jax.device_put(np.zeros((rows, 2), np.float32), self._replicated)
@@ -220,10 +221,14 @@ class Engine:
         return _pow2(self.kv_pages_for(self.max_model_len)) if self.opts.attention_backend == "pallas" else 1
 
     def context_pages(self) -> int:
-        """The context-page bucket of prefill steps with context, and the most context pages the
-        scheduler puts in one such step (unless one sequence alone has more): the pages of a
-        step's token budget (or of max_model_len, if less), so the pooled keys a step reads are
-        at most about its new ones."""
+        """The context-page bucket of prefill steps with context. The xla attention reads every
+        pooled key of the step for every new token, so the scheduler keeps a step's context within
+        this bucket (unless one sequence alone has more): the pages of a step's token budget (or
+        of max_model_len, if less), so the pooled keys a step reads are at most about its new
+        ones. The Pallas prefill kernel reads each row's own pages only, so its one bucket holds
+        every row at max_model_len."""
+        if self.opts.attention_backend == "pallas":
+            return _pow2(self.opts.max_prefill_seqs * self.kv_pages_for(self.max_model_len))
         return _pow2(self.kv_pages_for(min(self.config.max_num_batched_tokens, self.max_model_len)))
 
     def _make_pool(self, num_pages: int) -> UnifiedPool:

@@ -179,6 +179,10 @@ class StepInputBuilder:
     split prompt's later chunk) lists its context pages, padded to `context_bucket` of their
     count: at least `context_pages`, which the scheduler keeps a step's context within unless one
     sequence alone has more, so such steps have one shape per token bucket and key window.
+    Under the Pallas prefill kernel (`prefill_kernel`), which reads only each row's own context
+    pages, a step's listed context costs nothing beyond its rows': `context_pages` then covers
+    every row at max_model_len (the engine sets no cap), there is no key window, and every
+    prefill step lists its context, none for fresh prompts, so each token bucket has one shape.
     With async scheduling (`feed_from`), a token the host has not seen yet (PENDING) is read
     on the device from the previous step's results."""
 
@@ -187,6 +191,7 @@ class StepInputBuilder:
         self.cfg, self.pool, self.ps, self.attention_backend = cfg, pool, page_size, attention_backend
         self.decode_page_floor, self.slots, self.feed = decode_page_floor, slots, feed
         self.context_pages = context_pages
+        self.prefill_kernel = attention_backend == "pallas"
         self.prev_results = None    # the previous step's results, on the device (async scheduling)
         self._feed_rows: dict[int, int] = {}  # id(request) -> its row there
 
@@ -208,7 +213,7 @@ class StepInputBuilder:
         total = sum(end - start for _, start, end in chunks)
         t = pow2(total, 16)
         s = pow2(max(len(chunks), MAX_PREFILL_SEQS))  # one bucket: rows are cheap
-        context = any(start > 0 for _, start, _ in chunks)
+        context = self.prefill_kernel or any(start > 0 for _, start, _ in chunks)
         longest = max(end - start for _, start, end in chunks)
         tokens, positions, kv_slot = np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32)
         token_seq = np.full(t, -1, np.int32)  # padding belongs to no sequence
@@ -309,10 +314,9 @@ class StepInputBuilder:
         tokens = np.where(src >= 0, 0, inp.tokens).astype(np.int32)
         return inp.replace(tokens=tokens, token_src=src, prev_results=self.prev_results)
 
-    @staticmethod
-    def key_window(t: int, longest: int) -> int:
-        """The key window of a packed prefill step (xla_key_window)."""
-        return xla_key_window(t, longest)
+    def key_window(self, t: int, longest: int) -> int:
+        """The key window of a packed prefill step: xla_key_window, none for the kernel."""
+        return 0 if self.prefill_kernel else xla_key_window(t, longest)
 
     def page_table(self, reqs: list[Request], s: int, floor: int = 1) -> np.ndarray:
         lists = [self.pool.kv[r.rid] for r in reqs]

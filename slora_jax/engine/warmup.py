@@ -57,13 +57,15 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     s = pow2(MAX_PREFILL_SEQS)
     # Prefill with context in the pool: common under prefix caching; without it, only the later
     # chunks of a prompt longer than a step's budget.
-    with_context = config.enable_prefix_caching or ctx > config.max_num_batched_tokens
+    # Under the prefill kernel every prefill step lists its context (StepInputBuilder), in one bucket.
+    with_context = build.prefill_kernel or config.enable_prefix_caching or ctx > config.max_num_batched_tokens
     contexts = sorted({build.context_bucket(p) for p in range(engine.kv_pages_for(ctx) + 1)}) if with_context else []
     for t in sorted({pow2(n, 16) for n in range(1, config.max_num_batched_tokens + 1)}):
         for w in sorted({build.key_window(t, n) for n in range(1, min(t, ctx) + 1)}):
             loras = [None] + [(modules, sa) for modules in module_sets
                               for sa in engine._slot_buckets(min(t, s), t, decode=False)]
-            shapes += [build.null(t, s, 1, decode=False, lora=lora, key_window=w) for lora in loras]
+            if not build.prefill_kernel:
+                shapes += [build.null(t, s, 1, decode=False, lora=lora, key_window=w) for lora in loras]
             shapes += [build.null_context(t, s, k, lora=lora, key_window=w) for k in contexts for lora in loras]
     return shapes
 
