@@ -4,7 +4,7 @@ CPU (no GPU needed), at llama-7b's shapes, one sha256 per step shape.
     PYTHONPATH=TREE JAX_PLATFORMS=cpu python bench/step_hlo.py [--out hashes.json]
 
 A plain step carries no adapters and no sampling extras (`StepInputs.sampling` None), with the
-Pallas decode kernel as on a GPU. Run with PYTHONPATH at two trees of the code to tell whether a
+Pallas decode and prefill kernels as on a GPU. Run with PYTHONPATH at two trees of the code to tell whether a
 change alters the device program of a plain step: equal hashes, the same program, so the same
 device time. The Triton kernels' IR records its source file's path, so export both trees to paths
 of the same length (`git archive C | tar -x -C /tmp/tree-C`) before comparing.
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.paged_attention as decode_kernel
+import pallas_kernels.prefill_attention as prefill_kernel
 from slora_jax.engine.step import StepInputs, forward_sample
 from slora_jax.model.config import load_model_config
 from slora_jax.model.weights import _abstract_params
@@ -50,7 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON of the hashes")
     args = ap.parse_args()
-    decode_kernel._interpret = lambda interpret: False  # the Triton kernel, not its CPU interpreter
+    for kernel in (decode_kernel, prefill_kernel):  # the Triton kernels, not their CPU interpreter
+        kernel._interpret = lambda interpret: False
     cfg = load_model_config("llama-7b")
     hashes = {}
     for name, (rows, tokens, pages) in SHAPES.items():

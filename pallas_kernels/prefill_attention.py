@@ -166,6 +166,10 @@ def _prefill(q, k, v, pool_layer, page_table, ctx_lens, seq_starts, *, interpret
     return jnp.where(real[:, None], out[:t], 0).reshape(t, nh, d)
 
 
+def _interpret(interpret):
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
 def _pow2_at_least_16(n: int) -> bool:
     return n >= MIN_DOT and n & (n - 1) == 0
 
@@ -186,7 +190,7 @@ def paged_prefill_attention(q, k, v, pool_layer, page_table, ctx_lens, seq_start
     if not _pow2_at_least_16(d) or t < MIN_DOT:
         # Triton tiles are powers of two, dot sides >= 16: toy shapes use the reference.
         return paged_prefill_attention_reference(q, k, v, pool_layer, page_table, ctx_lens, seq_starts)
-    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    interpret = _interpret(interpret)
     if not interpret and pool_layer.size >= 2**31:
         raise ValueError(f"a pool layer of {pool_layer.size} elements is past int32 offsets; "
                          "use fewer pages per layer")
