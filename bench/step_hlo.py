@@ -4,9 +4,9 @@ CPU (no GPU needed), at llama-7b's shapes, one sha256 per step shape.
     PYTHONPATH=TREE JAX_PLATFORMS=cpu python bench/step_hlo.py [--out hashes.json]
 
 A plain step carries no adapters and no sampling extras (`StepInputs.sampling` None), with the
-Pallas decode and prefill kernels as on a GPU. Run with PYTHONPATH at two trees of the code to tell whether a
-change alters the device program of a plain step: equal hashes, the same program, so the same
-device time. The Triton kernels' IR records its source file's path, so export both trees to paths
+Pallas decode and prefill kernels as on a GPU. Run with PYTHONPATH at two trees of the code to
+tell whether a change alters the device program of a plain step: equal hashes, the same program,
+so the same device time. The Triton kernels' IR records its source file's path, so export both trees to paths
 of the same length (`git archive C | tar -x -C /tmp/tree-C`) before comparing.
 """
 
