@@ -194,7 +194,6 @@ class Engine:
         self.builder = StepInputBuilder(cfg, self.pool, self.ps, self.opts.attention_backend,
                                         self.decode_page_floor(), self.slots, feed=self.depth > 0,
                                         context_pages=self.context_pages())
-        # The prefill kernel's work follows each row's own context: no cap on a step's.
         self.sched.max_context_pages = None if self.builder.prefill_kernel else self.builder.context_pages
         if self.depth:  # a step's results have these rows, so the next step can read them
             rows = _pow2(config.max_num_seqs + MAX_PREFILL_SEQS)
