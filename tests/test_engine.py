@@ -781,6 +781,29 @@ def test_background_warmup_waits_while_a_step_compiles_on_first_use(paths, monke
     assert done and done[0] > 0 and len(engine._shapes) >= done[0]
 
 
+
+def test_warmup_takes_each_kinds_smallest_shape_first(paths):
+    """first_use_order: decode and prefill shapes in turn, each kind smallest first, so a first
+    request's two steps (a short prompt's prefill, then decode at batch 1) load before the rest."""
+    from slora_jax.engine.warmup import first_use_order, shape_key
+    eng = make_llm(paths, names=(), page_size=4, pool_pages=64, max_num_seqs=4, max_num_batched_tokens=32)
+    shapes = eng.engine.warmup_shapes(max_context=32)
+    ordered = first_use_order(shapes)
+    assert sorted(map(repr, map(shape_key, ordered))) == sorted(map(repr, map(shape_key, shapes)))
+    n_decode = sum(inp.decode for inp in shapes)
+    assert 0 < n_decode < len(shapes)
+    k = 2 * min(n_decode, len(shapes) - n_decode)
+    assert [inp.decode for inp in ordered[:k]] == [False, True] * (k // 2)  # in turn
+    first_prefill, first_decode = ordered[0], ordered[1]
+    assert first_prefill.tokens.shape[0] == min(inp.tokens.shape[0] for inp in shapes if not inp.decode)
+    assert first_decode.tokens.shape[0] == 1
+    assert first_decode.page_table.shape[1] == min(inp.page_table.shape[1] for inp in shapes if inp.decode)
+    for decode in (False, True):
+        sizes = [inp.tokens.shape[0] * (inp.page_table.shape[1] if decode else  # tokens x pages read
+                                        1 + (inp.ctx_pages.shape[0] if inp.prefill_context else 0))
+                 for inp in ordered if inp.decode == decode]
+        assert sizes == sorted(sizes)
+
 def small_query_blocks(monkeypatch, block=16):
     """The xla packed prefill attention in blocks of `block` queries (attention.QUERY_BLOCK is read
     when a step traces: the compiled steps of other blocks are dropped)."""

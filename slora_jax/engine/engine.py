@@ -207,7 +207,7 @@ class Engine:
         self._shapes: set = set()   # step input shapes run before (a first run includes its compile)
         # Clear while a step compiles on its first use: a background warm-up waits before its next
         # shape, so a waiting request's compile (or load from the persistent cache) does not share
-        # the host with every warm-up worker (warmup.compile_step).
+        # the interpreter with warm-up's lowering (warmup.lower_step).
         self.compile_gate = threading.Event()
         self.compile_gate.set()
         self._in_flight: collections.deque[_InFlight] = collections.deque()

@@ -9,6 +9,7 @@ running them, before serving, and `compile_in_background` on a thread while the 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 
@@ -70,26 +71,33 @@ def warmup_shapes(engine, max_context: int | None = None, lora: bool = True) -> 
     return shapes
 
 
-def compile_step(engine, inp: paged.StepInputs, spec) -> str:
-    """Compile the step of `inp`'s shape, both of its jits (forward_sample and commit_kv), without
-    running it: the pool enters as `spec` (pool_spec's ShapeDtypeStructs with the pool's shardings), so
-    this is safe on any thread while the engine thread steps (and donates) the real pool. A later
-    step of that shape finds both executables in jit's cache. Waits first while the engine compiles
-    a step on its first use (Engine.compile_gate): a request is waiting for that one. Returns a
-    label for progress bars."""
+def lower_step(engine, inp: paged.StepInputs, spec):
+    """Trace and lower the step of `inp`'s shape, both of its jits (forward_sample and commit_kv),
+    without compiling: Python work that holds the interpreter lock. The pool enters as `spec`
+    (pool_spec's ShapeDtypeStructs with the pool's shardings), so this is safe on any thread while
+    the engine thread steps (and donates) the real pool. Waits first while the engine compiles a
+    step on its first use (Engine.compile_gate): a request is waiting for that one."""
     engine.compile_gate.wait()
     if engine.tp is not None:
         lowered = paged.forward_sample_tp.lower(engine.params, spec, inp, cfg=engine.cfg, tp=engine.tp)
     else:
         lowered = paged.forward_sample.lower(engine.params, spec, inp, cfg=engine.cfg)
-    lowered.compile()
     # The step's new K/V as commit_kv receives it: committed to the pool's device(s).
     kv_sharding = engine.tp.sharding(tp_mod.KV) if engine.tp is not None else jax.tree.leaves(spec)[0].sharding
     new_kv = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=kv_sharding), lowered.out_info[0])
     if engine.tp is not None:
-        paged.commit_kv_tp.lower(spec, new_kv, inp.kv_slot, tp=engine.tp).compile()
+        commit = paged.commit_kv_tp.lower(spec, new_kv, inp.kv_slot, tp=engine.tp)
     else:
-        paged.commit_kv.lower(spec, new_kv, inp.kv_slot).compile()
+        commit = paged.commit_kv.lower(spec, new_kv, inp.kv_slot)
+    return lowered, commit
+
+
+def finish_step(engine, inp: paged.StepInputs, lowered) -> str:
+    """Compile lower_step's two lowered jits (XLA's work, or a load from the persistent cache:
+    mostly outside the interpreter lock). A later step of that shape finds both executables in
+    jit's cache. Returns a label for progress bars."""
+    for low in lowered:
+        low.compile()
     engine._shapes.add(shape_key(inp))
     slots = f" lora x{len(inp.lora.seg_starts) - 1}" if inp.lora is not None else ""
     if inp.decode:
@@ -99,25 +107,41 @@ def compile_step(engine, inp: paged.StepInputs, spec) -> str:
 
 
 def pool_spec(engine):
-    """The engine's pool as ShapeDtypeStructs (shape, dtype, sharding): what compile_step lowers on."""
+    """The engine's pool as ShapeDtypeStructs (shape, dtype, sharding): what lower_step lowers on."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), engine.kv)
+
+
+def first_use_order(shapes: list[paged.StepInputs]) -> list[paged.StepInputs]:
+    """Decode and prefill shapes taken in turn, each kind smallest first (tokens x pages read):
+    a first request's two steps (a short prompt's prefill, then decode at batch 1) come first."""
+    def size(inp):
+        return inp.tokens.shape[0] * (inp.page_table.shape[1] if inp.decode else
+                                      1 + (inp.ctx_pages.shape[0] if inp.prefill_context else 0))
+    kinds = [sorted((inp for inp in shapes if inp.decode == d), key=size) for d in (False, True)]
+    return [inp for pair in itertools.zip_longest(*kinds) for inp in pair if inp is not None]
 
 
 def compile_shapes(engine, shapes: list[paged.StepInputs], progress: bool = True, workers: int | None = None,
                    spec=None) -> int:
-    """Compile every shape (compile_step), smallest first, `workers` at a time (threads; default
-    1), with a progress bar. With the persistent compilation cache a restart loads them instead.
-    Returns how many. More than one worker compiles shapes side by side; on a GPU, XLA autotunes
-    its GEMMs by timing them on the device, and concurrent compiles may time each other's
-    kernels, so one is the default."""
+    """Compile every shape, in first_use_order, with a progress bar. This thread traces and lowers
+    them one after another (lower_step: Python, under the interpreter lock), while `workers`
+    threads (default 1) compile the lowered jits side by side (finish_step). So lowering the next
+    shape overlaps compiling the last, and on a warm persistent cache, where a compile is a load,
+    the engine thread shares the interpreter with one lowering thread rather than with every
+    worker. On a GPU, XLA autotunes its GEMMs by timing them on the device, and concurrent
+    compiles may time each other's kernels, so one compiling worker is the default. Returns how
+    many shapes."""
     spec = spec if spec is not None else pool_spec(engine)
-    shapes = sorted(shapes, key=lambda inp: inp.tokens.shape[0] * (
-        inp.page_table.shape[1] if inp.decode else 1 + (inp.ctx_pages.shape[0] if inp.prefill_context else 0)))
+    shapes = first_use_order(shapes)
     bar = tqdm(total=len(shapes), desc="compiling step buckets", unit="shape", disable=not progress)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers or 1)) as pool:
-        for done in concurrent.futures.as_completed([pool.submit(compile_step, engine, inp, spec) for inp in shapes]):
-            bar.set_postfix_str(done.result())
-            bar.update()
+        futures = []
+        for inp in shapes:
+            lowered = lower_step(engine, inp, spec)
+            futures.append(pool.submit(finish_step, engine, inp, lowered))
+            futures[-1].add_done_callback(lambda f: f.exception() or (bar.set_postfix_str(f.result()), bar.update()))
+        for f in futures:
+            f.result()
     bar.close()
     return len(shapes)
 
