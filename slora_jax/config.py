@@ -14,7 +14,6 @@ LORA_BACKENDS = ("auto", "xla", "pallas", "ranksplit", "pallas_tpu")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_tpu")
 ADMISSION_ORDERS = ("fcfs", "affinity")
 BASELINE_KINDS = ("padded_slots", "separate")
-EVICTION_POLICIES = ("lru", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # share of the device's total memory the engine may use
     pool_pages: int | None = None            # an exact pool size; overrides gpu_memory_utilization
     enable_prefix_caching: bool = True       # share full KV pages of equal prefixes (same adapter version)
-    eviction_policy: str = "lru"             # idle adapters and cached pages: "lru" or "cost" (pool.py)
     # -- batching -------------------------------------------------------------------------------
     max_num_seqs: int = 64                   # running requests
     max_num_batched_tokens: int = 2048       # tokens a prefill step; longer prompts are chunked
@@ -84,7 +82,6 @@ class EngineConfig:
                 or self.prefetch_adapters < 0:
             raise ValueError(f"prefetch_adapters must be an integer >= 0, got {self.prefetch_adapters!r}")
         _one_of("admission_order", self.admission_order, ADMISSION_ORDERS)
-        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("lora_backend", self.lora_backend, LORA_BACKENDS)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.baseline is not None and not isinstance(self.baseline, AdapterMemoryBaseline):

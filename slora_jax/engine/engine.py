@@ -176,8 +176,6 @@ class Engine:
         self.ps = config.page_size
         self.num_pages = self._pool_pages()
         self.pool = self._make_pool(self.num_pages)
-        if config.eviction_policy == "cost":  # an adapter page's reload: its bytes over the measured copy rate
-            self.pool.page_seconds["adapter"] = paged.page_bytes(cfg, self.ps, self.dtype) / paged.host_to_device_rate()
         # padded_slots: the LoRA step's distinct-adapter bucket is always every slot.
         baseline = config.baseline
         self._lora_slots = baseline.size if baseline is not None and baseline.kind == "padded_slots" else None
@@ -233,7 +231,7 @@ class Engine:
     def _make_pool(self, num_pages: int) -> UnifiedPool:
         baseline = self.config.baseline
         if baseline is None:
-            return UnifiedPool(num_pages, self.config.eviction_policy)
+            return UnifiedPool(num_pages)
         if baseline.kind == "separate":
             region, slot = baseline.size, None
         else:
@@ -246,7 +244,7 @@ class Engine:
             what = f"{baseline.size} slots of {slot} pages" if slot else f"{region} adapter pages"
             raise ValueError(f"baseline {baseline.kind!r}: {what} leave no KV page in a pool of "
                              f"{num_pages - 1} usable pages")
-        return RegionPool(num_pages, region, slot_pages=slot, eviction_policy=self.config.eviction_policy)
+        return RegionPool(num_pages, region, slot_pages=slot)
 
     def _pool_pages(self) -> int:
         """config.pool_pages, or the pages of gpu_memory_utilization's budget (`pool_bytes`), capped

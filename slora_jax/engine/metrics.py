@@ -165,12 +165,6 @@ class StepCostModel:
         slope = max(0.0, (xy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
         return max(0.0, my + slope * (tokens - mx))
 
-    def seconds_per_token(self, kind: str) -> float:
-        """Seconds a token of the observed `kind` steps, their fixed cost spread over their tokens
-        (0 while unknown): steadier than the line's slope, which noise can flatten to 0."""
-        s = self._sums.get(kind)
-        return s[2] / s[1] if s is not None and s[1] > 0 else 0.0
-
     def prefill_seconds(self, tokens: int) -> float:
         return self.predict("prefill", tokens)
 

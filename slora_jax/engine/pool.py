@@ -10,15 +10,8 @@ Page 0 is the null page: never handed out, it absorbs the writes and reads of pa
 Prefix caching (prefix_cache.py) adds a third kind of page: a full KV page indexed by its
 content. It is shared read-only by every sequence whose prefix matches (refcounted in
 `page_refs`); when the last one lets go it stays as an idle cached page. Idle adapters and idle
-cached pages are evicted under one policy; nothing a running request holds is ever evicted.
-
-- "lru": least recently used first, whichever kind that is.
-- "cost": GreedyDual (Young's cost-aware generalization of LRU). A page going idle gets the
-  priority L + c, c being what getting one page of its kind back costs (`page_seconds`: an
-  adapter page's host->device copy, a cached page's recompute), and the lowest priority goes
-  first; L rises to each evicted priority, so what stays idle long enough goes in the end
-  whatever its cost. One c per kind keeps each kind's idle queue in priority order, so eviction
-  compares two queue heads, as LRU does.
+cached pages are evicted least recently used first, whichever kind that is; nothing a running
+request holds is ever evicted.
 
 `RegionPool` is the same allocator with the pages split in two fixed regions, for the benchmark's
 memory baselines: adapters only in one (evicting idle adapters inside it, or waiting), KV only in
@@ -32,7 +25,6 @@ import collections
 import itertools
 from typing import Hashable
 
-from slora_jax.config import EVICTION_POLICIES
 from slora_jax.engine.prefix_cache import PageKey, PrefixIndex
 
 NULL_PAGE = 0
@@ -43,16 +35,9 @@ class OutOfPages(Exception):
 
 
 class UnifiedPool:
-    def __init__(self, total_pages: int, eviction_policy: str = "lru"):
+    def __init__(self, total_pages: int):
         if total_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved), got {total_pages}")
-        if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
-        self.eviction_policy = eviction_policy
-        # "cost": seconds to get one evicted page back, by kind (the engine and scheduler measure
-        # them), and GreedyDual's L
-        self.page_seconds = {"adapter": 0.0, "prefix": 0.0}
-        self._inflation = 0.0
         self.total_pages = total_pages - 1  # usable pages; page 0 is the null page
         self._free: list[int] = list(range(total_pages - 1, 0, -1))
         self._afree = self._free  # adapters take from (and give back to) the same free list
@@ -65,8 +50,8 @@ class UnifiedPool:
         self.pins: dict[Hashable, int] = {}  # prefetch pins: references no request holds yet
         self.evictions = 0
         # prefix caching: the index of cached pages, the sequences holding each shared page, and
-        # the idle cached pages in eviction order. Both idle queues carry each entry's priority
-        # (`_priority`), so eviction takes whichever head is lower.
+        # the idle cached pages in eviction order. Both idle queues carry the tick at which each
+        # entry went idle, so eviction takes whichever head is older.
         self.prefix = PrefixIndex()
         self.page_refs: dict[int, int] = {}
         self._idle_pages: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -141,21 +126,13 @@ class UnifiedPool:
             else:
                 self._evict_adapter()
 
-    def _priority(self, kind: str) -> float:
-        """An entry going idle now: its place in the eviction order (lowest first)."""
-        if self.eviction_policy == "lru":
-            return next(self._ticks)
-        return self._inflation + self.page_seconds[kind]
-
     def _evict_adapter(self) -> None:
-        key, h = self._idle.popitem(last=False)
-        self._inflation = max(self._inflation, h)
+        key, _ = self._idle.popitem(last=False)
         self._release_pages(key)
         self.evictions += 1
 
     def _evict_cached_page(self) -> None:
-        page, h = self._idle_pages.popitem(last=False)
-        self._inflation = max(self._inflation, h)
+        page, _ = self._idle_pages.popitem(last=False)
         self.prefix.remove(page)
         self._free.append(page)
         self.cached_evictions += 1
@@ -187,7 +164,7 @@ class UnifiedPool:
             else:
                 del self.page_refs[p]
                 if p in self.prefix:
-                    self._idle_pages[p] = self._priority("prefix")
+                    self._idle_pages[p] = next(self._ticks)
                 else:
                     self._free.append(p)
 
@@ -260,7 +237,7 @@ class UnifiedPool:
             if key in self._doomed:
                 self._release_pages(key)
             else:
-                self._idle[key] = self._priority("adapter")  # most recently used at the end
+                self._idle[key] = next(self._ticks)  # most recently used at the end
 
     def pin_adapter(self, key: Hashable, n_pages: int) -> tuple[list[int], bool]:
         """Prefetch: take a reference on adapter `key` that no request holds yet (allocating its
@@ -379,9 +356,8 @@ class RegionPool(UnifiedPool):
     `adapter_pages` is the region's size, reserved whether or not adapters fill it (so free +
     kv + adapter pages = total, as in the unified pool); `resident_pages` is what they fill."""
 
-    def __init__(self, total_pages: int, region_pages: int, slot_pages: int | None = None,
-                 eviction_policy: str = "lru"):
-        super().__init__(total_pages, eviction_policy)
+    def __init__(self, total_pages: int, region_pages: int, slot_pages: int | None = None):
+        super().__init__(total_pages)
         if not 1 <= region_pages <= self.total_pages - 1:
             raise ValueError(f"the adapter region must hold 1 to {self.total_pages - 1} of the pool's "
                              f"{self.total_pages} usable pages (at least one is left for KV), got {region_pages}")

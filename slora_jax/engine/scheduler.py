@@ -213,8 +213,6 @@ class Scheduler(AdapterPrefetch):
         tokens = sum(end - start for _, start, end in plan.chunks)
         if seconds is not None:
             self.cost.observe(plan.kind, tokens, len(plan.chunks), seconds)
-            if plan.kind == "prefill":  # the cost-aware eviction's price of a cached page
-                self.pool.page_seconds["prefix"] = self.cost.seconds_per_token("prefill") * self.ps
             (m.prefill_step_seconds if plan.kind == "prefill" else m.decode_step_seconds).observe(seconds)
             if plan.kind == "prefill" and plan.loads:  # an adapter's copy and scatter ran on this step's critical path
                 m.prefill_load_step_seconds.observe(seconds)

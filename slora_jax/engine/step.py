@@ -13,7 +13,6 @@ the kernels are tested against.
 from __future__ import annotations
 
 import functools
-import time
 
 import flax.struct
 import jax
@@ -94,18 +93,6 @@ def max_pool_pages(cfg: ModelConfig, page_size: int, tensor_parallel: int = 1) -
     a small model on a large GPU would otherwise size a pool past that from its memory."""
     per_page = 2 * page_size * cfg.kv_size // tensor_parallel
     return (2**31 - 1) // per_page
-
-
-def host_to_device_rate(nbytes: int = 64 << 20, repeats: int = 3) -> float:
-    """Bytes a second that a host array copies to the device at (the best of a few copies of
-    `nbytes`): what paging an adapter in costs, for the cost-aware eviction."""
-    data = np.ones(nbytes, np.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.device_put(data).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / max(best, 1e-9)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -36,7 +36,6 @@ ENGINE_FLAGS = {
     "page_size": "vectors per page of the unified pool; 1 is S-LoRA's token-granular pool",
     "pool_pages": "an exact pool size in pages; overrides --gpu-memory-utilization",
     "enable_prefix_caching": "share the KV pages of equal prompt prefixes (per adapter version)",
-    "eviction_policy": "which idle pages go first: lru, or cost (reload vs recompute time, aged)",
     "lora_backend": "LoRA kernels; auto picks per step",
     "attention_backend": "attention kernels; auto: pallas on a GPU, xla elsewhere",
     "async_scheduling": "schedule step n+1 while step n runs on the device (default none: on for a GPU, off elsewhere)",
