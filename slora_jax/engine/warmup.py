@@ -2,8 +2,9 @@
 
 A step's shape is its bucket: decode steps at every batch bucket x page-table bucket, prefill
 steps at every token bucket x key window (with prefix caching, again with context in the pool at
-every context bucket), each again with LoRA at every slot bucket on each module set. `warmup_shapes` lists them as null inputs; `compile_shapes` compiles them without
-running them, before serving, and `compile_in_background` on a thread while the engine serves.
+every context bucket), each again with LoRA at every slot bucket on each module set.
+`warmup_shapes` lists them as null inputs; `compile_shapes` compiles them without running them,
+before serving, and `compile_in_background` on a thread while the engine serves.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def lower_step(engine, inp: paged.StepInputs, spec):
 
 
 def finish_step(engine, inp: paged.StepInputs, lowered) -> str:
-    """Compile lower_step's two lowered jits (XLA's work, or a load from the persistent cache:
-    mostly outside the interpreter lock). A later step of that shape finds both executables in
-    jit's cache. Returns a label for progress bars."""
+    """Compile lower_step's two lowered jits (XLA's work, or a load from the persistent cache). A
+    later step of that shape finds both executables in jit's cache. Returns a label for progress
+    bars."""
     for low in lowered:
         low.compile()
     engine._shapes.add(shape_key(inp))
