@@ -781,7 +781,6 @@ def test_background_warmup_waits_while_a_step_compiles_on_first_use(paths, monke
     assert done and done[0] > 0 and len(engine._shapes) >= done[0]
 
 
-
 def test_warmup_takes_each_kinds_smallest_shape_first(paths):
     """first_use_order: decode and prefill shapes in turn, each kind smallest first, so a first
     request's two steps (a short prompt's prefill, then decode at batch 1) load before the rest."""
@@ -803,6 +802,7 @@ def test_warmup_takes_each_kinds_smallest_shape_first(paths):
                                         1 + (inp.ctx_pages.shape[0] if inp.prefill_context else 0))
                  for inp in ordered if inp.decode == decode]
         assert sizes == sorted(sizes)
+
 
 def small_query_blocks(monkeypatch, block=16):
     """The xla packed prefill attention in blocks of `block` queries (attention.QUERY_BLOCK is read
